@@ -1,0 +1,23 @@
+"""Pure-Python shape policy: bucket table, scheduler and planner (no torch, no HTTP)."""
+
+from __future__ import annotations
+
+from buckets.table import (
+    BatchTooLargeError,
+    BucketError,
+    BucketTable,
+    GraphKey,
+    PromptTooLongError,
+    parse_sizes,
+    powers_of_two,
+)
+
+__all__ = [
+    "BatchTooLargeError",
+    "BucketError",
+    "BucketTable",
+    "GraphKey",
+    "PromptTooLongError",
+    "parse_sizes",
+    "powers_of_two",
+]

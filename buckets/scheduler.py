@@ -1,0 +1,169 @@
+"""Continuous batching over static slots: a pure-Python scheduler with a two-call contract.
+
+    step = scheduler.schedule()          # a PrefillStep, a DecodeStep, or None when idle
+    ... the engine runs the graph for `step` and samples one token per sequence ...
+    finished = scheduler.update(step, {request_id: token_id})
+
+Policy: first come, first served. A waiting request is prefilled (padded to its length bucket, together with
+later waiting requests of the same bucket when prefill batch buckets allow) into the lowest free slots, then
+joins the running decode batch at the next step. Prefill and decode alternate while both have work, so neither
+starves. A decode step runs the smallest batch bucket that covers the highest busy slot; slots are handed out
+lowest first to keep that bucket small. Finished or aborted sequences free their slot at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from buckets.table import BucketTable
+
+
+class QueueFullError(RuntimeError):
+    """Admission refused: the waiting queue is at its request or token limit."""
+
+    def __init__(self, reason: str, limit: int) -> None:
+        self.reason = reason  # "requests" | "tokens"
+        self.limit = limit
+        super().__init__(f"server busy: the waiting queue is at its limit of {limit} {reason}")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's scheduling state. `position` is where its next token's K/V will be written."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    bucket: int = 0
+    slot: int = -1
+    position: int = 0
+    num_generated: int = 0
+    last_token: int = -1
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    length: int  # length bucket
+    batch: int  # prefill batch bucket (>= len(seqs))
+    seqs: tuple[Sequence, ...]
+
+    @property
+    def padding_tokens(self) -> int:
+        """Tokens computed for padding: the gap to the bucket per real row plus whole pad rows."""
+        return sum(self.length - s.prompt_len for s in self.seqs) + self.length * (self.batch - len(self.seqs))
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    batch: int  # decode batch bucket; rows are slots [0, batch)
+    seqs: tuple[Sequence, ...]
+
+    @property
+    def padding_rows(self) -> int:
+        return self.batch - len(self.seqs)
+
+
+Step = PrefillStep | DecodeStep
+
+
+@dataclass
+class Scheduler:
+    table: BucketTable
+    max_waiting_requests: int = 64
+    max_waiting_tokens: int = 65536
+    waiting: deque[Sequence] = field(default_factory=deque)
+    running: dict[int, Sequence] = field(default_factory=dict)  # slot -> sequence
+    _waiting_tokens: int = 0
+    _last_was_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
+            raise ValueError("max_waiting_requests and max_waiting_tokens must be positive")
+
+    # -- admission -----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (raises QueueFullError or PromptTooLongError; never drops silently)."""
+        seq.bucket = self.table.check_request(seq.prompt_len, seq.max_tokens)
+        if len(self.waiting) >= self.max_waiting_requests:
+            raise QueueFullError("requests", self.max_waiting_requests)
+        if self._waiting_tokens + seq.prompt_len > self.max_waiting_tokens and self.waiting:
+            raise QueueFullError("tokens", self.max_waiting_tokens)
+        self.waiting.append(seq)
+        self._waiting_tokens += seq.prompt_len
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a waiting or running request; its slot is free for the next step."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self._waiting_tokens -= seq.prompt_len
+                seq.finish_reason = "abort"
+                return seq
+        for slot, seq in self.running.items():
+            if seq.request_id == request_id:
+                del self.running[slot]
+                seq.finish_reason = "abort"
+                return seq
+        return None
+
+    # -- the two calls ---------------------------------------------------------------------------
+    def schedule(self) -> Step | None:
+        free = self.free_slots()
+        want_prefill = bool(self.waiting) and bool(free)
+        if want_prefill and not (self._last_was_prefill and self.running):
+            self._last_was_prefill = True
+            return self._prefill(free)
+        self._last_was_prefill = False
+        if self.running:
+            batch = self.table.batch_for(max(self.running) + 1)
+            return DecodeStep(batch, tuple(self.running[s] for s in sorted(self.running)))
+        return None
+
+    def update(self, step: Step, sampled: dict[str, int]) -> list[Sequence]:
+        """Record each sequence's new token; returns the sequences that finished (slots freed)."""
+        finished: list[Sequence] = []
+        for seq in step.seqs:
+            if seq.finish_reason is not None or seq.request_id not in sampled:
+                continue  # aborted while the step ran
+            token = sampled[seq.request_id]
+            seq.last_token = token
+            seq.num_generated += 1
+            seq.position = seq.prompt_len + seq.num_generated - 1  # where this token's K/V will go
+            if token in seq.stop_ids:
+                seq.finish_reason = "stop"
+            elif seq.num_generated >= seq.max_tokens or seq.position >= self.table.context_length:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                self.running.pop(seq.slot, None)
+                finished.append(seq)
+        return finished
+
+    # -- state ------------------------------------------------------------------------------------
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.table.max_batch) if s not in self.running]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def waiting_tokens(self) -> int:
+        return self._waiting_tokens
+
+    def _prefill(self, free: list[int]) -> PrefillStep:
+        head = self.waiting[0]
+        room = min(len(free), self.table.prefill_batch_sizes[-1])
+        group = [s for s in self.waiting if s.bucket == head.bucket][:room]
+        for seq, slot in zip(group, free):
+            self.waiting.remove(seq)
+            self._waiting_tokens -= seq.prompt_len
+            seq.slot = slot
+            self.running[slot] = seq
+        return PrefillStep(head.bucket, self.table.prefill_batch_for(len(group)), tuple(group))

@@ -1,0 +1,249 @@
+"""The bucket table: the one place that defines every static shape the server may run.
+
+Compilation, routing, warm-up and metric labels all iterate over a `BucketTable`; nothing else in the
+code base writes a size literal. Pure Python (no torch) so it can be tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Literal
+
+Phase = Literal["prefill", "decode"]
+
+
+class BucketError(ValueError):
+    """A bucket table was given invalid sizes."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt (or prompt + generation budget) does not fit the largest bucket or the context."""
+
+    def __init__(self, length: int, limit: int, what: str = "prompt") -> None:
+        self.length = length
+        self.limit = limit
+        self.what = what
+        super().__init__(f"{what} has {length} tokens, more than the limit of {limit} tokens")
+
+
+class BatchTooLargeError(ValueError):
+    """More rows than the largest batch bucket."""
+
+    def __init__(self, rows: int, limit: int) -> None:
+        self.rows = rows
+        self.limit = limit
+        super().__init__(f"batch of {rows} rows exceeds the largest batch bucket {limit}")
+
+
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    """Identifies one compiled graph. Decode graphs attend over the whole context, so `length` is the
+    context length for them; prefill graphs are keyed by (rows, length bucket)."""
+
+    phase: Phase
+    batch: int
+    length: int
+
+    @property
+    def bucket(self) -> str:
+        """Bounded metric label for the bucket this graph serves."""
+        if self.phase == "decode":
+            return f"b{self.batch}"
+        return f"b{self.batch}_l{self.length}"
+
+    def __str__(self) -> str:
+        return f"{self.phase}[{self.bucket}]"
+
+
+def _validate_sizes(name: str, values: tuple[int, ...]) -> None:
+    if not values:
+        raise BucketError(f"{name} must not be empty")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BucketError(f"{name} holds {v!r}; every size must be a positive integer")
+    if list(values) != sorted(set(values)):
+        raise BucketError(f"{name} {list(values)} must be strictly increasing without duplicates")
+
+
+def powers_of_two(start: int, stop: int) -> tuple[int, ...]:
+    """Powers of two from `start` (rounded up to one) up to `stop`; `stop` itself closes the list
+    when it is not a power of two, so the largest bucket always equals the limit."""
+    if start < 1 or stop < 1:
+        raise BucketError(f"powers_of_two needs positive bounds, got start={start} stop={stop}")
+    out: list[int] = []
+    v = 1
+    while v < start:
+        v *= 2
+    while v < stop:
+        out.append(v)
+        v *= 2
+    out.append(stop)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BucketTable:
+    """Sorted prompt-length buckets, decode batch buckets and prefill batch buckets, plus the static
+    context length of the KV cache (every slot holds up to `context_length` tokens)."""
+
+    lengths: tuple[int, ...]
+    batch_sizes: tuple[int, ...] = (1,)
+    prefill_batch_sizes: tuple[int, ...] = (1,)
+    context_length: int = 0  # 0: the largest length bucket
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lengths", tuple(self.lengths))
+        object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
+        object.__setattr__(self, "prefill_batch_sizes", tuple(self.prefill_batch_sizes))
+        _validate_sizes("lengths", self.lengths)
+        _validate_sizes("batch_sizes", self.batch_sizes)
+        _validate_sizes("prefill_batch_sizes", self.prefill_batch_sizes)
+        if self.prefill_batch_sizes[-1] > self.batch_sizes[-1]:
+            raise BucketError(
+                f"prefill_batch_sizes {list(self.prefill_batch_sizes)} exceed the largest batch size "
+                f"{self.batch_sizes[-1]}"
+            )
+        if self.context_length == 0:
+            object.__setattr__(self, "context_length", self.lengths[-1])
+        if isinstance(self.context_length, bool) or not isinstance(self.context_length, int):
+            raise BucketError(f"context_length must be an integer, got {self.context_length!r}")
+        if self.context_length < self.lengths[-1]:
+            raise BucketError(
+                f"context_length {self.context_length} is smaller than the largest length bucket "
+                f"{self.lengths[-1]}"
+            )
+
+    # -- routing -------------------------------------------------------------------------------
+    @property
+    def max_length(self) -> int:
+        return self.lengths[-1]
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_sizes[-1]
+
+    def length_for(self, n: int) -> int:
+        """Smallest length bucket >= n. A prompt exactly at a boundary uses that bucket."""
+        if n < 1:
+            raise BucketError(f"a prompt needs at least one token, got {n}")
+        for length in self.lengths:
+            if length >= n:
+                return length
+        raise PromptTooLongError(n, self.max_length)
+
+    def batch_for(self, rows: int) -> int:
+        """Smallest decode batch bucket holding `rows` rows."""
+        return _smallest_at_least(self.batch_sizes, rows)
+
+    def prefill_batch_for(self, rows: int) -> int:
+        """Smallest prefill batch bucket holding `rows` rows."""
+        return _smallest_at_least(self.prefill_batch_sizes, rows)
+
+    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Validate one request against the table; returns its length bucket."""
+        bucket = self.length_for(prompt_tokens)
+        if prompt_tokens + max_new_tokens > self.context_length:
+            raise PromptTooLongError(prompt_tokens + max_new_tokens, self.context_length, "prompt + max_tokens")
+        return bucket
+
+    # -- graphs ------------------------------------------------------------------------------------
+    def graph_keys(self) -> Iterator[GraphKey]:
+        """Every graph, in the fixed warm-up order: decode graphs first (smallest batch first, they are
+        the most used), then prefill graphs by length, then rows."""
+        for b in self.batch_sizes:
+            yield GraphKey("decode", b, self.context_length)
+        for length in self.lengths:
+            for p in self.prefill_batch_sizes:
+                yield GraphKey("prefill", p, length)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.batch_sizes) + len(self.lengths) * len(self.prefill_batch_sizes)
+
+    def padding(self, prompt_tokens: int) -> int:
+        """Pad tokens computed for one prompt routed through this table."""
+        return self.length_for(prompt_tokens) - prompt_tokens
+
+    # -- construction -----------------------------------------------------------------------------
+    @classmethod
+    def default(
+        cls,
+        model_max_length: int,
+        *,
+        max_length: int | None = None,
+        min_length: int = 64,
+        batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+        prefill_batch_sizes: tuple[int, ...] = (1,),
+    ) -> BucketTable:
+        """Powers of two from `min_length` up to the smaller of the model's context and `max_length`."""
+        limit = model_max_length if max_length is None else min(model_max_length, max_length)
+        return cls(
+            lengths=powers_of_two(min(min_length, limit), limit),
+            batch_sizes=batch_sizes,
+            prefill_batch_sizes=prefill_batch_sizes,
+            context_length=limit,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "lengths": list(self.lengths),
+            "batch_sizes": list(self.batch_sizes),
+            "prefill_batch_sizes": list(self.prefill_batch_sizes),
+            "context_length": self.context_length,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> BucketTable:
+        unknown = set(data) - {"lengths", "batch_sizes", "prefill_batch_sizes", "context_length"}
+        if unknown:
+            raise BucketError(f"unknown bucket fields: {sorted(unknown)}")
+        if "lengths" not in data:
+            raise BucketError("a bucket table needs 'lengths'")
+
+        def ints(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+            value = data.get(name, list(default))
+            if not isinstance(value, list):
+                raise BucketError(f"{name} must be a list of integers, got {value!r}")
+            return tuple(value)
+
+        context = data.get("context_length", 0)
+        if not isinstance(context, int):
+            raise BucketError(f"context_length must be an integer, got {context!r}")
+        return cls(
+            lengths=ints("lengths", ()),
+            batch_sizes=ints("batch_sizes", (1,)),
+            prefill_batch_sizes=ints("prefill_batch_sizes", (1,)),
+            context_length=context,
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> BucketTable:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise BucketError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise BucketError(f"{path}: expected a JSON object with 'lengths'")
+        return cls.from_dict(data)
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """Parse a comma-separated size list from the command line, e.g. "64,128,256"."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise BucketError(f"cannot parse size list {text!r}: {exc}") from exc
+
+
+def _smallest_at_least(sizes: tuple[int, ...], rows: int) -> int:
+    if rows < 1:
+        raise BucketError(f"a batch needs at least one row, got {rows}")
+    for size in sizes:
+        if size >= rows:
+            return size
+    raise BatchTooLargeError(rows, sizes[-1])

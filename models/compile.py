@@ -1,0 +1,139 @@
+"""Compile backends and compile accounting.
+
+Every compilation passes through `CompileAccountant.backend`, a wrapper around the real backend
+(inductor, TorchNeuron's "neuron", or dynamo's "eager" for tests), so each one is recorded with the graph
+key the runner is executing, its seconds and whether it happened during warm-up or while serving.
+After warm-up the default policy is fail-closed: dynamo's stance is set to "fail_on_recompile", so a
+recompile raises instead of compiling silently, and fullgraph=True means no silent eager fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CompilePhase = Literal["warmup", "serving"]
+# "eager": no compilation at all, same static shapes. "dynamo-eager": dynamo captures and guards graphs
+# but runs them eagerly (fast, for tests of the accounting and the no-recompile guarantees).
+BACKENDS = ("inductor", "eager", "neuron", "dynamo-eager")
+
+
+class RecompileError(RuntimeError):
+    """A graph would compile after warm-up while the policy forbids it."""
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    backend: str = "inductor"
+    recompile_policy: str = "error"  # error | allow
+    cache_dir: str = ""  # persistent compile cache; "" -> the backend's default
+    inductor_freezing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"compile backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.recompile_policy not in ("error", "allow"):
+            raise ValueError(f"recompile_policy must be 'error' or 'allow', got {self.recompile_policy!r}")
+
+    @property
+    def compiles(self) -> bool:
+        return self.backend != "eager"
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    key: Any  # buckets.GraphKey (models does not import buckets; the runner passes the key through)
+    seconds: float
+    phase: CompilePhase
+
+
+@dataclass
+class CompileAccountant:
+    """Counts compilations per graph key. `on_compile(record)` lets the server export metrics."""
+
+    on_compile: Callable[[CompileRecord], None] | None = None
+    records: list[CompileRecord] = field(default_factory=list)
+    phase: CompilePhase = "warmup"
+    current_key: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            start = time.perf_counter()
+            compiled = inner(gm, example_inputs)
+            self.record(time.perf_counter() - start)
+            return compiled
+
+        return backend
+
+    def record(self, seconds: float) -> None:
+        rec = CompileRecord(self.current_key, seconds, self.phase)
+        with self._lock:
+            self.records.append(rec)
+        if self.phase == "serving":
+            log.warning("graph %s compiled after warm-up (%.1f s)", rec.key, seconds)
+        if self.on_compile is not None:
+            self.on_compile(rec)
+
+    def count(self, phase: CompilePhase | None = None) -> int:
+        with self._lock:
+            return sum(1 for r in self.records if phase is None or r.phase == phase)
+
+
+def configure_compiler(settings: CompileSettings, num_graphs: int) -> None:
+    """Process-wide compiler settings, applied once at start-up (never at import)."""
+    import torch._dynamo.config as dynamo_config
+
+    # One graph per bucket on one code object: the default limit of 8 would make the 9th bucket fall
+    # back (fullgraph turns that into a hard error); leave generous room for allowed recompiles.
+    limit = max(64, 4 * num_graphs)
+    dynamo_config.recompile_limit = limit
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * limit)
+    dynamo_config.automatic_dynamic_shapes = False  # static shapes only: never a dynamic graph
+    if settings.backend == "inductor":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = settings.inductor_freezing
+        if settings.cache_dir:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", settings.cache_dir)
+            inductor_config.fx_graph_cache = True
+    if settings.backend == "neuron" and settings.cache_dir:
+        # TorchNeuron reads its NEFF cache location from this variable.
+        os.environ.setdefault("TORCH_NEURONX_NEFF_CACHE_DIR", settings.cache_dir)
+
+
+def resolve_backend(name: str) -> Callable[..., Any]:
+    """The callable compile backend for a setting name."""
+    from torch._dynamo import lookup_backend
+
+    if name == "inductor":
+        return lookup_backend("inductor")
+    if name == "dynamo-eager":
+        return lookup_backend("eager")
+    if name == "neuron":
+        try:
+            import torch_neuronx  # noqa: F401  registers device "neuron" and backend "neuron"
+        except ImportError as exc:
+            raise RuntimeError(
+                "compile backend 'neuron' needs torch-neuronx (TorchNeuron) on a Trainium host"
+            ) from exc
+        return lookup_backend("neuron")
+    raise ValueError(f"backend {name!r} does not compile")
+
+
+def compile_step(fn: Callable[..., Any], backend: Callable[..., Any]) -> Callable[..., Any]:
+    """Static shapes only: dynamic=False (TorchNeuron rejects dynamic=True), fullgraph=True (a graph break
+    is an error, never a silent split into eager pieces)."""
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+
+def set_fail_on_recompile(enabled: bool) -> None:
+    torch.compiler.set_stance("fail_on_recompile" if enabled else "default")

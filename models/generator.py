@@ -1,0 +1,55 @@
+"""Offline generation of one request through the bucketed runner (slot 0, batch bucket 1): the
+`bucketserve generate` command and the correctness tests use it; the server uses the engine instead."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from models.runner import ModelRunner, PrefillRow
+from models.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    prefill_seconds: float
+    decode_seconds: list[float] = field(default_factory=list)
+
+
+def generate_one(
+    runner: ModelRunner,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    length_bucket: int,
+    eos_token_ids: frozenset[int] = frozenset(),
+) -> GenerationResult:
+    """Prefill into slot 0 padded to `length_bucket`, then decode in the smallest batch bucket."""
+    sampler = Sampler(params, prompt_ids)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    batch = runner.table.batch_sizes[0]
+    prefill_rows = runner.table.prefill_batch_sizes[0]
+    t0 = time.perf_counter()
+    logits = runner.prefill([PrefillRow(0, prompt_ids)], length_bucket, prefill_rows)
+    token = sampler.sample(logits[0]).token_id
+    result = GenerationResult([token], "length", time.perf_counter() - t0)
+    tokens = torch.zeros(batch, dtype=torch.long)
+    positions = torch.zeros(batch, dtype=torch.long)
+    pos = len(prompt_ids)
+    while True:
+        if token in stop_ids:
+            result.finish_reason = "stop"
+            break
+        if len(result.token_ids) >= params.max_tokens or pos >= runner.table.context_length:
+            break
+        tokens[0], positions[0] = token, pos
+        t0 = time.perf_counter()
+        logits = runner.decode(batch, tokens, positions)
+        token = sampler.sample(logits[0]).token_id
+        result.decode_seconds.append(time.perf_counter() - t0)
+        result.token_ids.append(token)
+        pos += 1
+    return result

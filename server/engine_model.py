@@ -1,0 +1,145 @@
+"""What the engine thread drives: weights, runner, warm-up and one step of the scheduler's plan.
+
+Built on the event loop's side cheaply (tokenizer, config, bucket table); the heavy part (weights, cache,
+compilation) runs in `load_and_warm`, on the engine thread, so the HTTP port is open during warm-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from buckets import BucketTable, GraphKey
+from buckets.scheduler import DecodeStep, PrefillStep
+from models.compile import CompileAccountant, CompileRecord, CompileSettings
+from models.loading import load_model, load_tokenizer, max_positions, model_display_name
+from models.runner import ModelRunner, PrefillRow
+from models.sampling import Sampler, SamplingParams
+from server.config import ServerSettings
+
+log = logging.getLogger("bucketserve.warmup")
+
+
+@dataclass
+class WarmupCounter:
+    total: int
+    done: int = 0
+    started: float = field(default_factory=time.monotonic)
+    finished: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    def eta(self) -> float:
+        if self.done == 0:
+            return 30.0
+        return self.seconds / self.done * (self.total - self.done)
+
+
+class EngineModel:
+    def __init__(self, settings: ServerSettings, model_path: str, metrics: Any = None,
+                 table: BucketTable | None = None) -> None:
+        from transformers import AutoConfig
+
+        self.settings = settings
+        self.path = model_path
+        self.metrics = metrics
+        self.tokenizer: Any = load_tokenizer(model_path)
+        self.config = AutoConfig.from_pretrained(model_path)
+        self.table = table or settings.bucket_table(max_positions(self.config))
+        self.name = settings.served_model_name or model_display_name(model_path)
+        self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
+        self.progress = WarmupCounter(self.table.num_graphs)
+        self.runner: ModelRunner | None = None
+        self.accountant = CompileAccountant(on_compile=self._on_compile)
+        self._ready = threading.Event()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    def sampler(self, params: SamplingParams, prompt_ids: list[int]) -> Sampler:
+        return Sampler(params, prompt_ids)
+
+    # -- engine thread ---------------------------------------------------------------------------------
+    def load_and_warm(self) -> None:
+        s = self.settings
+        if s.num_threads > 0:
+            torch.set_num_threads(s.num_threads)
+        t0 = time.monotonic()
+        model = load_model(self.path, s.dtype, s.device)
+        log.info("loaded %s (%s, %s) in %.1f s", self.name, s.dtype, s.device, time.monotonic() - t0)
+        compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, s.compile_cache_dir)
+        self.runner = ModelRunner(model, self.table, compile_settings, self.accountant)
+        log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, context %d: %d graphs",
+                 list(self.table.lengths), list(self.table.batch_sizes), list(self.table.prefill_batch_sizes),
+                 self.table.context_length, self.runner.num_graphs)
+        if self.metrics is not None:
+            self.metrics.warmup_progress(0, self.progress.total)
+        self.progress.started = time.monotonic()
+        seconds = self.runner.warmup(progress=self._on_warm)
+        self.progress.finished = time.monotonic()
+        log.info("warm-up done: %d graphs in %.1f s, %d compilations", self.progress.done, seconds,
+                 self.accountant.count())
+        if self.metrics is not None:
+            self.metrics.warmup_finished(seconds)
+            self.metrics.set_ready(True)
+        self._ready.set()
+
+    def run_step(self, step: PrefillStep | DecodeStep, prompt_of: Callable[[str], list[int]]) -> list[torch.Tensor]:
+        """Runs the graph for one scheduler step; returns one logits row [V] per sequence of the step."""
+        assert self.runner is not None
+        t0 = time.perf_counter()
+        if isinstance(step, PrefillStep):
+            rows = [PrefillRow(seq.slot, prompt_of(seq.request_id)) for seq in step.seqs]
+            logits = self.runner.prefill(rows, step.length, step.batch)
+            if self.metrics is not None:
+                key = GraphKey("prefill", step.batch, step.length)
+                self.metrics.prefill_done(key, len(rows), step.padding_tokens, time.perf_counter() - t0)
+            return list(logits)
+        tokens = torch.zeros(step.batch, dtype=torch.long)
+        positions = torch.zeros(step.batch, dtype=torch.long)
+        for seq in step.seqs:
+            tokens[seq.slot] = seq.last_token
+            positions[seq.slot] = seq.position
+        logits = self.runner.decode(step.batch, tokens, positions)
+        if self.metrics is not None:
+            self.metrics.decode_step_done(step.batch, len(step.seqs), time.perf_counter() - t0, step.padding_rows)
+        return [logits[seq.slot] for seq in step.seqs]
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.stop_serving()
+
+    # -- callbacks -------------------------------------------------------------------------------------
+    def _on_warm(self, key: Any, seconds: float, done: int, total: int) -> None:
+        self.progress.done = done
+        log.info("warm-up %d/%d %s %.2f s", done, total, key, seconds)
+        if self.metrics is not None:
+            self.metrics.warmup_progress(done, total)
+
+    def _on_compile(self, record: CompileRecord) -> None:
+        if self.metrics is None or record.key is None:
+            return
+        self.metrics.graph_compiled(record.key, record.seconds, record.phase)
+        if record.phase == "serving":
+            assert self.runner is not None
+            k = record.key
+            warmed = (k.phase, k.batch, k.length) in self.runner.warmed
+            self.metrics.recompiled("guard_failure" if warmed else "unwarmed_shape")
+
+
+def _eos_ids(config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return frozenset(ids)

@@ -1,0 +1,94 @@
+"""The records and errors that cross between the engine thread and the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+
+class QueueFullError(RuntimeError):
+    """Admission refused (429): the waiting queue is at its request or token limit."""
+
+    def __init__(self, reason: str, retry_after: float) -> None:
+        self.reason = reason
+        self.retry_after = retry_after
+        super().__init__(f"server busy: too many waiting {reason}; retry after {retry_after:.0f} s")
+
+
+class EngineNotReadyError(RuntimeError):
+    """503: the model is still loading or warming up."""
+
+    def __init__(self, retry_after: float) -> None:
+        self.retry_after = retry_after
+        super().__init__("the model is still warming up; retry later")
+
+
+class DrainingError(RuntimeError):
+    """503: the server is shutting down and admits no new work."""
+
+    def __init__(self, retry_after: float) -> None:
+        self.retry_after = retry_after
+        super().__init__("the server is draining and accepts no new requests")
+
+
+class EngineDeadError(RuntimeError):
+    """503: the engine thread has stopped; /health fails too."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int | None
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...]
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error" on the last event
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class WarmupProgress:
+    graphs_done: int
+    graphs_total: int
+    seconds: float
+    ready: bool
+    draining: bool
+    failed: str | None
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """The event loop's view of one request: an async stream of TokenEvents ending with a finish reason."""
+
+    request_id: str
+    prompt_tokens: int
+    bucket: int
+    padded_tokens: int
+    loop: asyncio.AbstractEventLoop = field(repr=False)
+    _abort: Callable[[str, str], None] = field(repr=False)
+    _queue: asyncio.Queue[TokenEvent] = field(init=False, repr=False)
+    _done: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self._queue = asyncio.Queue()
+
+    def push(self, events: list[TokenEvent]) -> None:
+        """Called from the engine thread: one hop to the event loop per step."""
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, events)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            self._queue.put_nowait(event)
+
+    def abort(self, reason: str = "client") -> None:
+        if not self._done:
+            self._abort(self.request_id, reason)
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while not self._done:
+            event = await self._queue.get()
+            if event.finish_reason is not None:
+                self._done = True
+            yield event
