@@ -68,7 +68,8 @@ class EngineModel:
         return Sampler(params, prompt_ids)
 
     # -- engine thread ---------------------------------------------------------------------------------
-    def load_and_warm(self) -> None:
+    def load_and_warm(self, keys: list[GraphKey] | None = None) -> None:
+        """Load weights and warm `keys` (default: every graph of the table)."""
         s = self.settings
         if s.num_threads > 0:
             torch.set_num_threads(s.num_threads)
@@ -83,7 +84,9 @@ class EngineModel:
         if self.metrics is not None:
             self.metrics.warmup_progress(0, self.progress.total)
         self.progress.started = time.monotonic()
-        seconds = self.runner.warmup(progress=self._on_warm)
+        if keys is not None:
+            self.progress.total = len(keys)
+        seconds = self.runner.warmup(keys, progress=self._on_warm)
         self.progress.finished = time.monotonic()
         log.info("warm-up done: %d graphs in %.1f s, %d compilations", self.progress.done, seconds,
                  self.accountant.count())

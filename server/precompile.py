@@ -1,0 +1,34 @@
+"""`bucketserve precompile`: warm every graph into the persistent compile cache, print a manifest, exit."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from models.loading import resolve_model_path
+from server.config import ServerSettings
+from server.engine_model import EngineModel
+
+log = logging.getLogger("bucketserve.precompile")
+
+
+def precompile_main(settings: ServerSettings) -> int:
+    path = resolve_model_path(settings.model, settings.model_cache_dir or None)
+    model = EngineModel(settings, path)
+    model.load_and_warm()
+    manifest = {
+        "model": model.name,
+        "dtype": settings.dtype,
+        "device": settings.device,
+        "compile_backend": settings.compile_backend,
+        "compile_cache_dir": settings.compile_cache_dir,
+        "buckets": model.table.to_dict(),
+        "graphs": [
+            {"graph": r.key.phase, "bucket": r.key.bucket, "seconds": round(r.seconds, 3)}
+            for r in model.accountant.records
+        ],
+        "warmup_seconds": round(model.progress.seconds, 3),
+    }
+    print(json.dumps(manifest, indent=2))
+    model.close()
+    return 0
