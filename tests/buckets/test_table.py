@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from buckets import BucketError, BucketTable, GraphKey, PromptTooLongError, parse_sizes, powers_of_two
+
+sizes = st.lists(st.integers(1, 4096), min_size=1, max_size=8, unique=True).map(lambda xs: tuple(sorted(xs)))
+
+
+@given(lengths=sizes, n=st.integers(1, 5000))
+def test_length_for_is_smallest_bucket_at_least_n(lengths: tuple[int, ...], n: int) -> None:
+    table = BucketTable(lengths=lengths)
+    if n > lengths[-1]:
+        with pytest.raises(PromptTooLongError) as err:
+            table.length_for(n)
+        assert err.value.limit == lengths[-1] and err.value.length == n
+        return
+    bucket = table.length_for(n)
+    assert bucket in lengths and bucket >= n
+    assert all(b < n for b in lengths if b < bucket)
+
+
+@given(lengths=sizes)
+def test_boundaries(lengths: tuple[int, ...]) -> None:
+    table = BucketTable(lengths=lengths)
+    for b in lengths:
+        assert table.length_for(b) == b  # exactly at a boundary uses that bucket
+        if b > 1 and b - 1 not in lengths:
+            assert table.length_for(b - 1) == b
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"lengths": ()}, "lengths must not be empty"),
+        ({"lengths": (64, 32)}, "strictly increasing"),
+        ({"lengths": (32, 32)}, "strictly increasing"),
+        ({"lengths": (0, 32)}, "holds 0"),
+        ({"lengths": (32,), "batch_sizes": (1, -2)}, "holds -2"),
+        ({"lengths": (32,), "batch_sizes": (1, 2), "prefill_batch_sizes": (4,)}, "exceed the largest batch"),
+        ({"lengths": (32, 64), "context_length": 48}, "context_length 48"),
+    ],
+)
+def test_invalid_tables_name_the_bad_value(kwargs: dict, message: str) -> None:
+    with pytest.raises(BucketError, match=message):
+        BucketTable(**kwargs)
+
+
+def test_default_derives_from_context_limit() -> None:
+    table = BucketTable.default(8192, max_length=2048)
+    assert table.lengths == (64, 128, 256, 512, 1024, 2048)
+    assert table.context_length == 2048
+    assert BucketTable.default(100, min_length=32).lengths == (32, 64, 100)
+    assert powers_of_two(32, 32) == (32,)
+
+
+def test_graph_keys_fixed_order_and_count() -> None:
+    table = BucketTable(lengths=(16, 32), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2), context_length=64)
+    keys = list(table.graph_keys())
+    assert keys[:3] == [GraphKey("decode", b, 64) for b in (1, 2, 4)]
+    assert keys[3:] == [GraphKey("prefill", 1, 16), GraphKey("prefill", 2, 16),
+                        GraphKey("prefill", 1, 32), GraphKey("prefill", 2, 32)]
+    assert table.num_graphs == len(keys) == len(set(keys))
+    assert keys[0].bucket == "b1" and keys[3].bucket == "b1_l16"
+
+
+def test_batch_routing_and_request_check() -> None:
+    table = BucketTable(lengths=(16, 32), batch_sizes=(1, 2, 4), context_length=40)
+    assert [table.batch_for(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    with pytest.raises(ValueError):
+        table.batch_for(5)
+    assert table.check_request(20, 20) == 32
+    with pytest.raises(PromptTooLongError, match="prompt \\+ max_tokens"):
+        table.check_request(20, 21)
+
+
+def test_file_round_trip(tmp_path) -> None:
+    table = BucketTable(lengths=(8, 24, 100), batch_sizes=(1, 3), prefill_batch_sizes=(1,), context_length=128)
+    table.save(tmp_path / "b.json")
+    assert BucketTable.load(tmp_path / "b.json") == table
+    (tmp_path / "bad.json").write_text('{"lengths": [8], "colour": 1}')
+    with pytest.raises(BucketError, match="unknown bucket fields"):
+        BucketTable.load(tmp_path / "bad.json")
+
+
+def test_parse_sizes() -> None:
+    assert parse_sizes("64, 128,256") == (64, 128, 256)
+    with pytest.raises(BucketError):
+        parse_sizes("64,abc")

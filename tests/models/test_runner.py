@@ -1,0 +1,100 @@
+"""The bucketed, padded, compiled path against transformers' own eager generate (dynamic cache, no padding)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from buckets import BucketTable, GraphKey
+from models.compile import CompileAccountant, CompileSettings, RecompileError
+from models.generator import generate_one
+from models.loading import load_model
+from models.runner import ModelRunner, PrefillRow, UnknownShapeError
+from models.sampling import SamplingParams
+
+TABLE = BucketTable(lengths=(8, 16), batch_sizes=(1, 2), prefill_batch_sizes=(1, 2), context_length=48)
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+def reference(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, pad_token_id=1, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_llama: str) -> tuple[ModelRunner, torch.nn.Module]:
+    model = load_model(tiny_llama, "float32", "cpu")
+    runner = ModelRunner(model, TABLE, CompileSettings(backend="dynamo-eager"))
+    runner.warmup()
+    yield runner, model
+    runner.stop_serving()
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 15, 16])
+def test_greedy_matches_generate_at_bucket_boundaries(compiled, n: int) -> None:
+    runner, model = compiled
+    ids = random.Random(n).choices(range(5, 400), k=n)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    got = generate_one(runner, ids, params, TABLE.length_for(n)).token_ids
+    assert got == reference(model, ids, 12)
+
+
+def test_mixed_length_batch_prefill_and_decode(compiled) -> None:
+    runner, model = compiled
+    prompts = [random.Random(1).choices(range(5, 400), k=5), random.Random(2).choices(range(5, 400), k=8)]
+    logits = runner.prefill([PrefillRow(1, prompts[0]), PrefillRow(0, prompts[1])], 8, 2)
+    outs = [[int(logits[0].argmax())], [int(logits[1].argmax())]]
+    slots, lengths = [1, 0], [5, 8]
+    for step in range(9):
+        tokens = torch.zeros(2, dtype=torch.long)
+        pos = torch.zeros(2, dtype=torch.long)
+        for i, slot in enumerate(slots):
+            tokens[slot], pos[slot] = outs[i][-1], lengths[i] + step
+        step_logits = runner.decode(2, tokens, pos)
+        for i, slot in enumerate(slots):
+            outs[i].append(int(step_logits[slot].argmax()))
+    for ids, out in zip(prompts, outs):
+        assert out == reference(model, ids, 10)
+
+
+def test_no_compilation_after_warmup_for_random_requests(compiled) -> None:
+    runner, _ = compiled
+    warm = runner.accountant.count()
+    assert runner.accountant.count("warmup") == warm == TABLE.num_graphs
+    rng = random.Random(0)
+    for _ in range(100):
+        n = rng.randint(1, TABLE.max_length)
+        ids = rng.choices(range(5, 400), k=n)
+        generate_one(runner, ids, SamplingParams(max_tokens=rng.randint(1, 3), temperature=0),
+                     TABLE.length_for(n))
+    assert runner.accountant.count() == warm
+    assert runner.accountant.count("serving") == 0
+
+
+def test_shape_outside_table_is_refused_not_compiled(compiled) -> None:
+    runner, _ = compiled
+    before = runner.accountant.count()
+    with pytest.raises(UnknownShapeError):
+        runner.prefill([PrefillRow(0, [5, 6])], 12, 1)
+    with pytest.raises(UnknownShapeError):
+        runner.decode(3, torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+    assert runner.accountant.count() == before
+
+
+def test_unwarmed_shape_fails_closed_or_counts_when_allowed(tiny_llama: str) -> None:
+    model = load_model(tiny_llama, "float32", "cpu")
+    table = BucketTable(lengths=(8,), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=16)
+    only_decode = [GraphKey("decode", 1, 16)]
+    strict = ModelRunner(model, table, CompileSettings(backend="dynamo-eager", recompile_policy="error"))
+    strict.warmup(only_decode)
+    with pytest.raises(RecompileError):
+        strict.prefill([PrefillRow(0, [5])], 8, 1)
+    allowed = ModelRunner(model, table, CompileSettings(backend="dynamo-eager", recompile_policy="allow"),
+                          CompileAccountant())
+    allowed.warmup(only_decode)
+    allowed.prefill([PrefillRow(0, [5])], 8, 1)
+    serving = [r for r in allowed.accountant.records if r.phase == "serving"]
+    assert [r.key for r in serving] == [GraphKey("prefill", 1, 8)]

@@ -1,0 +1,174 @@
+"""Continuous batching in the engine thread, against solo reference runs on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+
+from models.sampling import SamplingParams
+from server.engine import Engine, QueueFullError
+from server.testing import TINY_TABLE, tiny_engine, tiny_settings
+
+
+async def collect(handle) -> tuple[list[int], str | None]:
+    tokens, reason = [], None
+    async for event in handle:
+        if event.token_id is not None:
+            tokens.append(event.token_id)
+        reason = event.finish_reason
+    return tokens, reason
+
+
+async def started(engine: Engine) -> Engine:
+    engine.start()
+    deadline = time.monotonic() + 120
+    while not engine.is_ready():
+        assert engine.is_alive(), engine.progress()
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_llama: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa").eval()
+
+
+def solo(model, ids: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, pad_token_id=1, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+def test_interleaving_invariance_32_concurrent(tmp_path, reference_model) -> None:
+    rng = random.Random(0)
+    work = [(rng.choices(range(10, 400), k=rng.randint(1, 60)), rng.randint(1, 40)) for _ in range(32)]
+
+    async def main() -> list[list[int]]:
+        engine = await started(tiny_engine(tmp_path, settings=tiny_settings(compile_backend="dynamo-eager")))
+        try:
+            handles = []
+            for ids, n in work:
+                handles.append(engine.submit(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))
+                await asyncio.sleep(rng.random() * 0.01)  # staggered arrivals join running batches
+            results = await asyncio.gather(*(collect(h) for h in handles))
+            assert engine.model.accountant.count("serving") == 0  # zero compilations after warm-up
+            assert engine.model.accountant.count("warmup") == TINY_TABLE.num_graphs
+            return [tokens for tokens, _ in results]
+        finally:
+            engine.stop()
+
+    outputs = asyncio.run(main())
+    for (ids, n), out in zip(work, outputs):
+        assert out == solo(reference_model, ids, n)
+
+
+def test_late_request_starts_before_running_ones_finish(tmp_path) -> None:
+    async def main() -> None:
+        engine = await started(tiny_engine(tmp_path))
+        try:
+            long_ones = [engine.submit([10 + i] * 5, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+                         for i in range(2)]
+            first = asyncio.create_task(collect(long_ones[0]))
+            await asyncio.sleep(0.05)
+            late = engine.submit([42] * 3, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            tokens, reason = await collect(late)
+            assert len(tokens) == 2 and reason == "length"
+            assert not first.done()  # the long request is still decoding
+            assert engine.num_running() >= 1
+            for h in long_ones:
+                h.abort()
+            await first
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+
+
+def test_abort_frees_slot_within_a_step(tmp_path) -> None:
+    async def main() -> None:
+        engine = await started(tiny_engine(tmp_path))
+        try:
+            handle = engine.submit([5, 6, 7], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+            it = handle.__aiter__()
+            await it.__anext__()
+            assert engine.num_running() == 1
+            handle.abort("client")
+            assert engine.num_running() == 0  # freed at once, before the next step
+            rest = [e async for e in it]
+            assert rest[-1].finish_reason == "abort"
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+
+
+def test_queue_overflow_is_refused_and_admitted_requests_complete(tmp_path) -> None:
+    async def main() -> None:
+        settings = tiny_settings(max_waiting_requests=2)
+        engine = await started(tiny_engine(tmp_path, settings=settings))
+        try:
+            params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+            admitted, refused = [], 0
+            for i in range(12):
+                try:
+                    admitted.append(engine.submit([5 + i] * 4, params))
+                except QueueFullError as exc:
+                    refused += 1
+                    assert exc.retry_after >= 1
+            assert refused > 0
+            results = await asyncio.gather(*(collect(h) for h in admitted))
+            assert all(len(t) == 30 and r == "length" for t, r in results)
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+
+
+def test_failure_in_one_request_keeps_engine_serving(tmp_path, monkeypatch) -> None:
+    async def main() -> None:
+        engine = await started(tiny_engine(tmp_path))
+        original = engine.model.sampler
+
+        def sampler(params, prompt_ids):
+            s = original(params, prompt_ids)
+            if prompt_ids[0] == 99:
+                def boom(logits):
+                    raise RuntimeError("poisoned request")
+                s.sample = boom
+            return s
+
+        monkeypatch.setattr(engine.model, "sampler", sampler)
+        try:
+            bad = engine.submit([99, 5], SamplingParams(max_tokens=5, temperature=0))
+            good = engine.submit([98, 5], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+            (bad_tokens, bad_reason), (good_tokens, good_reason) = await asyncio.gather(collect(bad), collect(good))
+            assert bad_reason == "error" and bad_tokens == []
+            assert good_reason == "length" and len(good_tokens) == 5
+            assert engine.is_alive() and engine.is_ready()
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+
+
+def test_seeded_sampling_is_reproducible_through_the_engine(tmp_path) -> None:
+    async def main() -> list[list[int]]:
+        engine = await started(tiny_engine(tmp_path))
+        try:
+            outs = []
+            for seed in (1, 1, 2):
+                p = SamplingParams(max_tokens=20, temperature=1.0, seed=seed, ignore_eos=True)
+                outs.append((await collect(engine.submit([5, 6, 7], p)))[0])
+            return outs
+        finally:
+            engine.stop()
+
+    a, b, c = asyncio.run(main())
+    assert a == b and a != c
