@@ -53,6 +53,15 @@ class CompileRecord:
     key: Any  # buckets.GraphKey (models does not import buckets; the runner passes the key through)
     seconds: float
     phase: CompilePhase
+    cache_hit: bool | None = None  # None: the backend tells us nothing about its cache
+
+
+def _cache_counters() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
+    return hits, misses
 
 
 @dataclass
@@ -67,15 +76,21 @@ class CompileAccountant:
 
     def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            hits, misses = _cache_counters()
             start = time.perf_counter()
             compiled = inner(gm, example_inputs)
-            self.record(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            new_hits, new_misses = _cache_counters()
+            hit = None
+            if new_hits > hits or new_misses > misses:
+                hit = new_misses == misses
+            self.record(seconds, hit)
             return compiled
 
         return backend
 
-    def record(self, seconds: float) -> None:
-        rec = CompileRecord(self.current_key, seconds, self.phase)
+    def record(self, seconds: float, cache_hit: bool | None = None) -> None:
+        rec = CompileRecord(self.current_key, seconds, self.phase, cache_hit)
         with self._lock:
             self.records.append(rec)
         if self.phase == "serving":
@@ -99,15 +114,31 @@ def configure_compiler(settings: CompileSettings, num_graphs: int) -> None:
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * limit)
     dynamo_config.automatic_dynamic_shapes = False  # static shapes only: never a dynamic graph
     if settings.backend == "inductor":
+        import torch._functorch.config as functorch_config
         import torch._inductor.config as inductor_config
 
         inductor_config.freezing = settings.inductor_freezing
         if settings.cache_dir:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", settings.cache_dir)
+            # The persistent caches: compiled kernels (FX graph cache) and the traced joint graphs
+            # (AOT autograd cache); both key on graph content, torch version and compiler config.
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = settings.cache_dir
             inductor_config.fx_graph_cache = True
+            functorch_config.enable_autograd_cache = True
     if settings.backend == "neuron" and settings.cache_dir:
         # TorchNeuron reads its NEFF cache location from this variable.
-        os.environ.setdefault("TORCH_NEURONX_NEFF_CACHE_DIR", settings.cache_dir)
+        os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] = settings.cache_dir
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    """A directory name that changes whenever anything that shapes a compiled artifact changes: model,
+    dtype, device, buckets, backend, thread count, torch and transformers versions."""
+    import hashlib
+    import json
+
+    import transformers
+
+    full = dict(parts, torch=torch.__version__, transformers=transformers.__version__)
+    return hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def resolve_backend(name: str) -> Callable[..., Any]:

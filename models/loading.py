@@ -123,7 +123,8 @@ def load_model(path: str, dtype: str, device: str) -> torch.nn.Module:
         raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
     model.eval()
     model.requires_grad_(False)
-    return model.to(device)
+    moved: torch.nn.Module = model.to(torch.device(device))  # type: ignore[arg-type]
+    return moved
 
 
 def max_positions(model: torch.nn.Module) -> int:

@@ -31,17 +31,15 @@ from models.slot_cache import DecodeCache, PrefillCache, SlotStorage
 log = logging.getLogger(__name__)
 
 
-class GraphKeyLike(Protocol):
-    phase: str
-    batch: int
-    length: int
-
-
 class ShapeTable(Protocol):
-    lengths: tuple[int, ...]
-    batch_sizes: tuple[int, ...]
-    prefill_batch_sizes: tuple[int, ...]
-    context_length: int
+    @property
+    def lengths(self) -> tuple[int, ...]: ...
+    @property
+    def batch_sizes(self) -> tuple[int, ...]: ...
+    @property
+    def prefill_batch_sizes(self) -> tuple[int, ...]: ...
+    @property
+    def context_length(self) -> int: ...
 
     def graph_keys(self) -> Iterable[Any]: ...
 

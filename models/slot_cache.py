@@ -64,6 +64,8 @@ class _ViewLayer(CacheLayerMixin):
         super().__init__()
         self.keys = keys
         self.values = values
+        self.k: torch.Tensor = keys  # typed aliases (the base class declares keys/values Optional)
+        self.v: torch.Tensor = values
         self.is_initialized = True
         self.device = keys.device
         self.dtype = keys.dtype
@@ -75,7 +77,7 @@ class _ViewLayer(CacheLayerMixin):
         return 0  # no batch-wide length exists: callers always pass position_ids
 
     def get_max_length(self) -> int:
-        return int(self.keys.shape[2])
+        return int(self.k.shape[2])
 
 
 class DecodeLayer(_ViewLayer):
@@ -89,12 +91,12 @@ class DecodeLayer(_ViewLayer):
         # key_states: [b, H, 1, D] -> written at [i, :, write_pos[i], :]
         b, h, q, d = key_states.shape
         index = self.write_pos.view(b, 1, 1, 1).expand(b, h, q, d)
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
-        return self.keys, self.values
+        self.k.scatter_(2, index, key_states)
+        self.v.scatter_(2, index, value_states)
+        return self.k, self.v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return int(self.keys.shape[2]), 0
+        return int(self.k.shape[2]), 0
 
 
 class PrefillLayer(_ViewLayer):
@@ -102,8 +104,8 @@ class PrefillLayer(_ViewLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states: [P, H, L, D]; stash for commit(), attend over the new tokens only.
-        self.keys.copy_(key_states)
-        self.values.copy_(value_states)
+        self.k.copy_(key_states)
+        self.v.copy_(value_states)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -122,6 +124,7 @@ class DecodeCache(Cache):
 class PrefillCache(Cache):
     def __init__(self, layers: list[PrefillLayer]) -> None:
         super().__init__(layers=layers)  # type: ignore[arg-type]
+        self.prefill_layers = layers
 
 
 class SlotStorage:
@@ -171,10 +174,10 @@ class SlotStorage:
 
     def commit(self, cache: PrefillCache, slots: list[int], lengths: list[int]) -> None:
         """Copy each prefilled row's K/V (its real tokens only) from scratch into its slot. Eager, O(tokens)."""
-        for layer, keys, values in zip(cache.layers, self.keys, self.values):
+        for layer, keys, values in zip(cache.prefill_layers, self.keys, self.values):
             for row, (slot, n) in enumerate(zip(slots, lengths)):
-                keys[slot, :, :n].copy_(layer.keys[row, :, :n])
-                values[slot, :, :n].copy_(layer.values[row, :, :n])
+                keys[slot, :, :n].copy_(layer.k[row, :, :n])
+                values[slot, :, :n].copy_(layer.v[row, :, :n])
 
     def nbytes(self) -> int:
         tensors = (*self.keys, *self.values, *self.scratch_keys, *self.scratch_values)

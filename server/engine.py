@@ -18,7 +18,7 @@ from typing import Any
 from buckets import PromptTooLongError
 from buckets.scheduler import DecodeStep, PrefillStep, QueueFullError as _SchedulerQueueFull, Scheduler, Sequence
 from models.sampling import SamplingParams
-from server.engine_model import EngineModel
+from server.engine_model import CacheMissingError, EngineModel
 from server.engine_types import (
     DrainingError,
     EngineDeadError,
@@ -78,6 +78,7 @@ class Engine:
         self._stopping = False
         self._draining = False
         self._failed: str | None = None
+        self._not_ready: str | None = None
         self._finished_times: list[float] = []
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -114,7 +115,7 @@ class Engine:
     def progress(self) -> WarmupProgress:
         p = self.model.progress
         return WarmupProgress(p.done, p.total, p.seconds, self.model.is_ready and not self._draining,
-                              self._draining, self._failed)
+                              self._draining, self._failed or self._not_ready)
 
     def is_ready(self) -> bool:
         return self.model.is_ready and not self._draining and self.is_alive()
@@ -174,6 +175,14 @@ class Engine:
     def _main(self) -> None:
         try:
             self.model.load_and_warm()
+        except CacheMissingError as exc:
+            # Alive but never ready: /health 200, /ready 503 with the reason, until stopped.
+            log.error("%s", exc)
+            self._not_ready = str(exc)
+            with self._wake:
+                while not self._stopping:
+                    self._wake.wait(1.0)
+            return
         except Exception as exc:  # noqa: BLE001 - any load/warm-up failure makes the server unhealthy
             log.exception("engine failed to load or warm up")
             self._failed = f"{type(exc).__name__}: {exc}"

@@ -25,6 +25,10 @@ from server.config import ServerSettings
 log = logging.getLogger("bucketserve.warmup")
 
 
+class CacheMissingError(RuntimeError):
+    """--require-cached-graphs: a graph was compiled instead of loaded from the compile cache."""
+
+
 @dataclass
 class WarmupCounter:
     total: int
@@ -76,7 +80,7 @@ class EngineModel:
         t0 = time.monotonic()
         model = load_model(self.path, s.dtype, s.device)
         log.info("loaded %s (%s, %s) in %.1f s", self.name, s.dtype, s.device, time.monotonic() - t0)
-        compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, s.compile_cache_dir)
+        compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir())
         self.runner = ModelRunner(model, self.table, compile_settings, self.accountant)
         log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, context %d: %d graphs",
                  list(self.table.lengths), list(self.table.batch_sizes), list(self.table.prefill_batch_sizes),
@@ -90,10 +94,35 @@ class EngineModel:
         self.progress.finished = time.monotonic()
         log.info("warm-up done: %d graphs in %.1f s, %d compilations", self.progress.done, seconds,
                  self.accountant.count())
+        hits = sum(1 for r in self.accountant.records if r.cache_hit)
+        if compile_settings.cache_dir:
+            log.info("compile cache %s: %d of %d graphs loaded from the cache", compile_settings.cache_dir, hits,
+                     len(self.accountant.records))
+        if s.require_cached_graphs:
+            missing = [str(r.key) for r in self.accountant.records if not r.cache_hit]
+            if missing:
+                raise CacheMissingError(f"{len(missing)} graphs were not in the compile cache: {', '.join(missing)}")
         if self.metrics is not None:
             self.metrics.warmup_finished(seconds)
             self.metrics.set_ready(True)
         self._ready.set()
+
+    def compile_cache_dir(self) -> str:
+        """The keyed subdirectory of --compile-cache-dir for this model, dtype, device, buckets and versions."""
+        if not self.settings.compile_cache_dir:
+            return ""
+        import os
+        from pathlib import Path
+
+        from models.compile import cache_key
+
+        weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in Path(self.path).glob("*.safetensors")) \
+            if os.path.isdir(self.path) else []
+        parts = {"model": os.path.abspath(self.path) if os.path.isdir(self.path) else self.path, "weights": weights,
+                 "dtype": self.settings.dtype, "device": self.settings.device,
+                 "backend": self.settings.compile_backend, "buckets": self.table.to_dict(),
+                 "threads": torch.get_num_threads()}
+        return os.path.join(self.settings.compile_cache_dir, cache_key(parts))
 
     def run_step(self, step: PrefillStep | DecodeStep, prompt_of: Callable[[str], list[int]]) -> list[torch.Tensor]:
         """Runs the graph for one scheduler step; returns one logits row [V] per sequence of the step."""
@@ -123,7 +152,11 @@ class EngineModel:
     # -- callbacks -------------------------------------------------------------------------------------
     def _on_warm(self, key: Any, seconds: float, done: int, total: int) -> None:
         self.progress.done = done
-        log.info("warm-up %d/%d %s %.2f s", done, total, key, seconds)
+        record = self.accountant.records[-1] if self.accountant.records else None
+        source = ""
+        if record is not None and record.key == key:
+            source = {True: " (from cache)", False: " (compiled)", None: " (compiled)"}[record.cache_hit]
+        log.info("warm-up %d/%d %s %.2f s%s", done, total, key, seconds, source)
         if self.metrics is not None:
             self.metrics.warmup_progress(done, total)
 
@@ -131,6 +164,8 @@ class EngineModel:
         if self.metrics is None or record.key is None:
             return
         self.metrics.graph_compiled(record.key, record.seconds, record.phase)
+        if record.cache_hit is not None:
+            self.metrics.compile_cache(record.cache_hit)
         if record.phase == "serving":
             assert self.runner is not None
             k = record.key

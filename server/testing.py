@@ -35,6 +35,7 @@ def build_tiny_checkpoint(path: str | Path, *, arch: str = "llama", vocab_words:
     vocab = {tok: i for i, tok in enumerate(special + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<eos>", "<pad>", "<unk>"])
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
                                    eos_token="<eos>", bos_token=None)

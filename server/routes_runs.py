@@ -1,0 +1,206 @@
+"""Consuming engine token streams: one `SequenceRun` per submitted sequence turns TokenEvents into text
+steps (incremental detokenization + stop strings), for streaming and non-streaming alike, so both
+produce the same text. Also: merging several runs into one stream, client-disconnect handling, and an
+SSE response that aborts its sequences when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from server.detokenizer import IncrementalDetokenizer, StopMatcher
+
+if TYPE_CHECKING:
+    from server.engine import RequestHandle
+
+log = logging.getLogger("bucketserve.http")
+T = TypeVar("T")
+
+# Internal finish reasons: the engine's ("stop" = EOS / stop token, "length", "abort", "error")
+# plus "stop_string" when this layer matched a stop string.
+STOP_STRING = "stop_string"
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one engine event adds to a sequence."""
+
+    text: str
+    token_id: int | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class RunResult:
+    text: str = ""
+    steps: list[Step] = field(default_factory=list)
+    finish_reason: str = "abort"
+    error: str | None = None
+
+    @property
+    def tokens(self) -> list[Step]:
+        return [s for s in self.steps if s.token_id is not None]
+
+
+class SequenceRun:
+    def __init__(
+        self, handle: RequestHandle, tokenizer: Any, prompt_ids: Sequence[int], stops: Sequence[str],
+        hold_back: bool = True,
+    ) -> None:
+        self.handle = handle
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stopper = StopMatcher(stops, hold_back=hold_back)
+        self.finished = False
+
+    def abort(self, reason: str = "client") -> None:
+        if not self.finished:
+            self.finished = True
+            self.handle.abort(reason)
+
+    async def steps(self) -> AsyncIterator[Step]:
+        """Steps until the sequence ends; the last one carries the finish reason."""
+        try:
+            async for ev in self.handle:
+                text = ""
+                if ev.token_id is not None:
+                    text, matched = self.stopper.feed(self.detok.add(ev.token_id))
+                    if matched:
+                        self.abort(STOP_STRING)  # the engine may still have tokens in flight
+                        yield Step(text, ev.token_id, ev.logprob, ev.top_logprobs, STOP_STRING)
+                        return
+                if ev.finish_reason is None:
+                    yield Step(text, ev.token_id, ev.logprob, ev.top_logprobs)
+                    continue
+                tail, matched = self.stopper.feed(self.detok.flush())
+                text += tail + self.stopper.flush()
+                reason = STOP_STRING if matched else ev.finish_reason
+                self.finished = True
+                yield Step(text, ev.token_id, ev.logprob, ev.top_logprobs, reason, ev.error)
+                return
+            self.finished = True  # the engine promises a final event; be safe if it ends early
+            yield Step("", None, finish_reason="abort", error="token stream ended without a finish reason")
+        finally:
+            self.abort("client")
+
+    async def collect(self) -> RunResult:
+        result = RunResult()
+        async for step in self.steps():
+            result.steps.append(step)
+            if step.finish_reason is not None:
+                result.finish_reason, result.error = step.finish_reason, step.error
+        result.text = self.stopper.text
+        return result
+
+
+async def merge(runs: Sequence[SequenceRun]) -> AsyncIterator[tuple[int, Step]]:
+    """Interleave the steps of several runs as they arrive; (run index, step)."""
+    if len(runs) == 1:
+        try:
+            async for step in runs[0].steps():
+                yield 0, step
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, end the stream cleanly
+            log.exception("sequence failed")
+            yield 0, Step("", None, finish_reason="error", error=type(exc).__name__)
+        return
+    queue: asyncio.Queue[tuple[int, Step | None]] = asyncio.Queue()
+
+    async def pump(i: int, run: SequenceRun) -> None:
+        try:
+            async for step in run.steps():
+                await queue.put((i, step))
+        except Exception as exc:  # noqa: BLE001 - report the failure on this choice only
+            log.exception("sequence %d failed", i)
+            await queue.put((i, Step("", None, finish_reason="error", error=type(exc).__name__)))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        remaining = len(runs)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for r in runs:
+            r.abort("client")
+
+
+async def collect_all(request: Request, runs: Sequence[SequenceRun]) -> list[RunResult]:
+    """Non-streaming: wait for every run, aborting them all if the client disconnects first."""
+    def abort_all() -> None:
+        for r in runs:
+            r.abort("client")
+
+    return await until_disconnect(request, asyncio.gather(*(r.collect() for r in runs)), abort_all)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect: Callable[[], object]) -> T:
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            on_disconnect()  # the runs now end with "abort"; nobody will read the answer
+        return await task
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStream(StreamingResponse):
+    """text/event-stream that always listens for the client going away (whatever the ASGI spec
+    version), stops the generator, and calls `on_close` so unfinished sequences are aborted."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str]) -> None:
+        headers = {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client closed the connection mid-send
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self._on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
