@@ -37,7 +37,10 @@ lint: setup
 	$(BIN)/python -m mypy
 
 bench: setup
-	$(BIN)/bucketserve bench --compare bucketserve,transformers --model default --concurrency 1,4,16
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/bucketserve bench --compare bucketserve,transformers --model default --concurrency 1,4,16 \
+	  --num-requests 32 --prompt-len lognormal:median=128,sigma=0.6 --max-prompt-len 512 \
+	  --output-len fixed:32 --max-seconds-per-level 100
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .mypy_cache

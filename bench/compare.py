@@ -1,0 +1,113 @@
+"""--compare: start each server in turn on the same weights and threads, run the same workload, stop it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+from pathlib import Path
+from typing import Callable
+
+from bench import modelfiles
+from bench.prompts import Prompt, TokenizerError
+from bench.runner import RunOptions, TargetRun, failed_target, run_target
+from bench.servers import (
+    KNOWN,
+    RunningServer,
+    ServerCommand,
+    ServerError,
+    bucketserve_command,
+    llama_command,
+    transformers_command,
+)
+from bench.workload import LengthDist
+
+# Builds the prompts once, from the first server that is up: (its url, a local tokenizer to fall back on).
+PromptFactory = Callable[[str, str | None], list[Prompt]]
+
+
+class SkipServer(Exception):
+    """A server that is not configured (e.g. no --llama-server): reported as skipped, not failed."""
+
+
+def parse_names(text: str) -> list[str]:
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    aliases = {"llama.cpp": "llama", "llama-server": "llama", "hf": "transformers"}
+    names = [aliases.get(n, n) for n in names]
+    unknown = [n for n in names if n not in KNOWN]
+    if unknown or not names:
+        raise ValueError(f"--compare takes a comma list of {', '.join(KNOWN)}; got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def output_bound(dist: LengthDist) -> int:
+    """A generous upper bound on sampled output lengths (for llama-server's per-slot context)."""
+    if dist.kind == "fixed":
+        return int(dist.a)
+    if dist.kind == "uniform":
+        return int(dist.b)
+    return math.ceil(dist.a * math.exp(4 * dist.b))
+
+
+class Comparison:
+    def __init__(self, args: argparse.Namespace, files: modelfiles.ModelFiles, cache_dir: Path, max_ctx: int) -> None:
+        self.args = args
+        self.files = files
+        self.cache_dir = cache_dir
+        self.max_ctx = max_ctx
+        self.local_tokenizer: str | None = None  # an HF dir, once one exists (converted for transformers)
+
+    def _extra(self, name: str) -> list[str]:
+        return shlex.split(str(getattr(self.args, f"{name}_args", "") or ""))
+
+    def command(self, name: str) -> ServerCommand:
+        a = self.args
+        threads = int(getattr(a, "threads", 0))
+        if name == "bucketserve":
+            return bucketserve_command(self.files.bucketserve, threads, self._extra(name))
+        if name == "transformers":
+            hf = modelfiles.hf_checkpoint(self.files, self.cache_dir, threads)
+            self.local_tokenizer = self.local_tokenizer or hf
+            return transformers_command(hf, threads, self._extra(name))
+        binary = str(getattr(a, "llama_server", "") or "")
+        if not binary:
+            raise SkipServer("no --llama-server PATH given")
+        if not self.files.gguf:
+            raise SkipServer("no GGUF weights for llama-server (give --llama-model FILE.gguf)")
+        parallel = max(getattr(a, "concurrency_levels", (1,)))
+        return llama_command(binary, self.files.gguf, threads, parallel, self.max_ctx, self._extra("llama"))
+
+
+def run_compare(
+    names: list[str],
+    comparison: Comparison,
+    opts: RunOptions,
+    out_dir: Path,
+    make_prompts: PromptFactory,
+    ready_timeout: float,
+    log: Callable[[str], None] = print,
+) -> list[TargetRun]:
+    targets: list[TargetRun] = []
+    prompts: list[Prompt] | None = None
+    for name in names:
+        url = ""
+        try:
+            cmd = comparison.command(name)
+            url = cmd.url
+            log(f"[bench] starting {name}: {shlex.join(cmd.argv)}")
+            with RunningServer(cmd, out_dir / "logs" / f"{name}.log") as server:
+                ready = server.wait_ready(ready_timeout)
+                log(f"[bench] {name} ready after {ready:.1f} s")
+                if prompts is None:
+                    prompts = make_prompts(url, comparison.local_tokenizer)
+                run = run_target(name, url, prompts, opts, server, ready)
+                log(f"[bench] {name} done" + (f": {run.summary['error']}" if run.summary.get("error") else ""))
+            targets.append(run)
+        except SkipServer as exc:
+            log(f"[bench] skipping {name}: {exc}")
+            targets.append(failed_target(name, url, f"skipped: {exc}"))
+            targets[-1].summary["skipped"] = True
+        except (ServerError, modelfiles.ModelError, TokenizerError, OSError, ValueError) as exc:
+            log(f"[bench] {name} failed: {exc}")
+            targets.append(failed_target(name, url, str(exc)))
+    return targets

@@ -1,0 +1,146 @@
+"""The result document (JSON), its Markdown summary, and comparison ratios."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.runner import TargetRun
+
+RATIO_METRICS = (
+    ("output_tokens_per_s", None, "throughput"),
+    ("ttft", "p50", "TTFT p50"),
+    ("tpot", "p50", "TPOT p50"),
+    ("e2e", "p50", "E2E p50"),
+)
+
+
+def _metric(level: dict[str, Any], key: str, sub: str | None) -> float | None:
+    value = level.get(key)
+    if sub is not None:
+        value = value.get(sub) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def ratios(targets: list[TargetRun]) -> list[dict[str, Any]]:
+    """Each other target against the first successful one, per concurrency: other / baseline."""
+    good = [t for t in targets if t.ok and t.summary.get("levels")]
+    if len(good) < 2:
+        return []
+    base = good[0]
+    base_levels = {lv["concurrency"]: lv for lv in base.summary["levels"]}
+    out: list[dict[str, Any]] = []
+    for other in good[1:]:
+        for lv in other.summary["levels"]:
+            ref = base_levels.get(lv["concurrency"])
+            if ref is None:
+                continue
+            row: dict[str, Any] = {"baseline": base.name, "target": other.name, "concurrency": lv["concurrency"]}
+            for key, sub, label in RATIO_METRICS:
+                a, b = _metric(lv, key, sub), _metric(ref, key, sub)
+                row[label] = a / b if a is not None and b else None
+            out.append(row)
+    return out
+
+
+def document(meta: dict[str, Any], targets: list[TargetRun]) -> dict[str, Any]:
+    return {**meta, "targets": [t.summary for t in targets], "ratios": ratios(targets)}
+
+
+def write_json(out_dir: Path, doc: dict[str, Any]) -> Path:
+    path = out_dir / "result.json"
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def _f(value: Any, scale: float = 1.0, digits: int = 1) -> str:
+    return "–" if not isinstance(value, (int, float)) else f"{value * scale:.{digits}f}"
+
+
+def _pcts(summary: Any, scale: float, digits: int = 1) -> str:
+    if not isinstance(summary, dict) or summary.get("p50") is None:
+        return "–"
+    return " / ".join(_f(summary.get(k), scale, digits) for k in ("p50", "p90", "p99"))
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    w = doc.get("workload", {})
+    lines = [
+        f"# bucketserve bench — {doc.get('created', '')}",
+        "",
+        f"Workload: prompts {w.get('prompt_len')} (max {w.get('max_prompt_len')}), outputs {w.get('output_len')}, "
+        f"{w.get('num_requests')} requests per level, seed {w.get('seed')}; tokenizer {doc.get('tokenizer')}; "
+        f"threads {doc.get('threads') or 'default'}.",
+        "",
+        "## Start-up and warm-up (not part of the steady-state figures)",
+        "",
+        "| server | ready (s) | warm-up metric (s) | first request (s) | peak RSS (MiB) | recompilations | API used |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in doc["targets"]:
+        s = t.get("startup", {})
+        api = t.get("api", {})
+        rss = t.get("peak_rss_bytes")
+        lines.append(
+            f"| {t['name']} | {_f(s.get('ready_seconds'))} | {_f(s.get('warmup_seconds_metric'))} | "
+            f"{_f(s.get('first_request_seconds'), digits=2)} | {_f(rss, 1 / 2**20, 0)} | "
+            f"{_f(t.get('recompilations'), digits=0)} | "
+            f"{api.get('endpoint', '–')}, {api.get('prompt_format', '–')} prompt, eos: {api.get('eos', '–')} |"
+        )
+    lines += [
+        "",
+        "## Steady state",
+        "",
+        "Latencies p50 / p90 / p99. ITL: gaps between streamed tokens; TPOT: (E2E − TTFT) / (tokens − 1).",
+        "",
+        "| server | conc | ok / sent | out tok/s | req/s | TTFT (ms) | ITL (ms) | TPOT p50 (ms) | E2E (s) | failures |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in doc["targets"]:
+        for lv in t.get("levels", []):
+            fails = ", ".join(f"{k}: {v}" for k, v in lv["failures"].items()) or "none"
+            lines.append(
+                f"| {t['name']} | {lv['concurrency']} | {lv['completed']} / {lv['requests']} | "
+                f"{_f(lv['output_tokens_per_s'])} | {_f(lv['requests_per_s'], digits=2)} | {_pcts(lv['ttft'], 1e3)} | "
+                f"{_pcts(lv['itl'], 1e3)} | {_f(lv['tpot'].get('p50'), 1e3)} | {_pcts(lv['e2e'], 1, 2)} | {fails} |"
+            )
+        if t.get("error"):
+            lines.append(f"| {t['name']} | – | – | – | – | – | – | – | – | {t['error'][:200]} |")
+    lines += ["", "## Per bucket", "", "| server | conc | bucket | requests | TTFT (ms) | ITL p50 (ms) | E2E (s) |",
+              "|---|---|---|---|---|---|---|"]
+    for t in doc["targets"]:
+        for lv in t.get("levels", []):
+            for bucket, b in lv["per_bucket"].items():
+                lines.append(
+                    f"| {t['name']} | {lv['concurrency']} | {bucket} | {b['requests']} | {_pcts(b['ttft'], 1e3)} | "
+                    f"{_f(b['itl'].get('p50'), 1e3)} | {_pcts(b['e2e'], 1, 2)} |"
+                )
+    if doc.get("ratios"):
+        lines += ["", "## Ratios (target / baseline; higher is better for throughput, lower for latency)", "",
+                  "| target | baseline | conc | " + " | ".join(label for _, _, label in RATIO_METRICS) + " |",
+                  "|---|---|---|" + "---|" * len(RATIO_METRICS)]
+        for r in doc["ratios"]:
+            cells = " | ".join(_f(r[label], digits=2) for _, _, label in RATIO_METRICS)
+            lines.append(f"| {r['target']} | {r['baseline']} | {r['concurrency']} | {cells} |")
+    notes = [(t["name"], n) for t in doc["targets"] for n in t.get("notes", [])]
+    notes += [(t["name"], "recompilations during the run: must be 0") for t in doc["targets"]
+              if isinstance(t.get("recompilations"), (int, float)) and t["recompilations"] > 0]
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {name}: {note}" for name, note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(out_dir: Path, doc: dict[str, Any]) -> Path:
+    path = out_dir / "summary.md"
+    path.write_text(markdown(doc))
+    return path
+
+
+def ratio_lines(doc: dict[str, Any]) -> list[str]:
+    """Console form of the ratios."""
+    return [
+        f"{r['target']} / {r['baseline']} @ concurrency {r['concurrency']}: "
+        + ", ".join(f"{label} {_f(r[label], digits=2)}x" for _, _, label in RATIO_METRICS)
+        for r in doc.get("ratios", [])
+    ]

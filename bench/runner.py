@@ -1,0 +1,164 @@
+"""Benchmark one target: probe how to talk to it, warm it, run every concurrency level, scrape metrics.
+
+Warm-up (start-up, the /metrics warm-up time, the first request) is measured and reported apart from the
+steady-state levels, which only begin after the warm-up requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from bench import scrape as scr
+from bench.client import ApiMode, RequestResult
+from bench.loadgen import LevelRun, run_level_sync, send_one
+from bench.prompts import Prompt
+from bench.servers import RunningServer
+from bench.stats import level_stats
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    concurrency: tuple[int, ...]
+    timeout: float = 600.0
+    max_seconds: float = 0.0  # per level; 0 = no limit
+    warmup_requests: int = 1
+    ignore_eos: bool = True
+    endpoint: str = "completions"
+    temperature: float = 0.0
+    served_model: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency must be positive integers, got {list(self.concurrency)}")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.max_seconds < 0:
+            raise ValueError(f"max_seconds must be >= 0, got {self.max_seconds}")
+        if self.warmup_requests < 1:
+            raise ValueError(
+                f"warmup_requests must be >= 1 (the first request probes the API), got {self.warmup_requests}"
+            )
+
+
+@dataclass
+class TargetRun:
+    name: str
+    url: str
+    summary: dict[str, Any]
+    levels: list[LevelRun] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.summary.get("error") is None
+
+
+def discover_model(base_url: str, headers: dict[str, str]) -> str | None:
+    """The first model id of GET /v1/models (servers pinned to one model insist on its name)."""
+    try:
+        resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=10.0)
+        data = resp.json().get("data") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
+        return str(data[0]["id"])
+    return None
+
+
+def probe_mode(
+    base_url: str, prompt: Prompt, opts: RunOptions, model: str | None
+) -> tuple[ApiMode, RequestResult, list[str]]:
+    """Find a request shape the server accepts, best first: token-id prompts, then text; ignore_eos,
+    then a generation_config with min_new_tokens (transformers), then nothing. A 400/422 whose message
+    names the rejected field decides what to drop; the last answer is returned when nothing works."""
+    formats = ["ids", "text"] if opts.endpoint == "completions" else ["text"]
+    eos_modes = ["ignore_eos", "generation_config", "none"] if opts.ignore_eos else ["none"]
+    fi = ei = 0
+    notes: list[str] = []
+    headers = dict(opts.headers)
+    while True:
+        mode = ApiMode(opts.endpoint, formats[fi], eos_modes[ei], model, opts.temperature)
+        res = send_one(base_url, prompt, mode, opts.timeout, headers)
+        if res.ok or res.status not in (400, 422):
+            return mode, res, notes
+        detail = res.detail.lower()
+        if eos_modes[ei] != "none" and eos_modes[ei] in detail and ei + 1 < len(eos_modes):
+            ei += 1
+        elif "prompt" in detail and fi + 1 < len(formats):
+            fi += 1
+        elif ei + 1 < len(eos_modes):
+            ei += 1
+        elif fi + 1 < len(formats):
+            fi, ei = fi + 1, 0
+        else:
+            return mode, res, notes
+        notes.append(f"{mode.prompt_format}/{mode.eos} rejected (HTTP {res.status}: {res.detail[:120]}); "
+                     f"trying {formats[fi]}/{eos_modes[ei]}")
+
+
+def run_target(
+    name: str,
+    base_url: str,
+    prompts: list[Prompt],
+    opts: RunOptions,
+    server: RunningServer | None = None,
+    ready_seconds: float | None = None,
+) -> TargetRun:
+    headers = dict(opts.headers)
+    before = scr.scrape(base_url, headers)
+    model = opts.served_model or discover_model(base_url, headers)
+    mode, first, notes = probe_mode(base_url, prompts[0], opts, model)
+    summary: dict[str, Any] = {
+        "name": name,
+        "url": base_url,
+        "is_bucketserve": before.is_bucketserve,
+        "api": {"endpoint": mode.endpoint, "prompt_format": mode.prompt_format, "eos": mode.eos, "model": model},
+        "notes": notes,
+        "startup": {
+            "ready_seconds": ready_seconds,  # process start -> /ready (or /health) 200; None when not started here
+            "warmup_seconds_metric": before.warmup_seconds,  # bucketserve_warmup_seconds
+            "first_request_seconds": first.e2e,
+        },
+        "error": None,
+    }
+    if mode.prompt_format == "text" and any(p.text_tokens != len(p.ids) for p in prompts):
+        notes.append("some text prompts tokenize to one token more than planned (no exact prefix)")
+    if mode.endpoint == "chat":
+        notes.append("chat endpoint: prompts go through the chat template, so prompt lengths are not exact")
+    if mode.eos == "none" and opts.ignore_eos:
+        notes.append("server accepts no way to ignore EOS: outputs may be shorter than max_tokens")
+    runs: list[LevelRun] = []
+    if not first.ok:
+        summary["error"] = f"first request failed: {first.error} {first.detail}"
+    else:
+        for prompt in prompts[1 : opts.warmup_requests]:
+            send_one(base_url, prompt, mode, opts.timeout, headers)
+        for c in opts.concurrency:
+            run = run_level_sync(
+                base_url, prompts, mode, c, timeout=opts.timeout, max_seconds=opts.max_seconds, headers=headers
+            )
+            runs.append(run)
+            if not run.issued_all:
+                notes.append(f"concurrency {c}: time limit reached after {len(run.results)} of {len(prompts)} requests")
+    after = scr.scrape(base_url, headers)
+    summary["recompilations"] = scr.delta(before.recompilations, after.recompilations)
+    summary["serving_compilations"] = scr.delta(before.serving_compilations, after.serving_compilations)
+    summary["peak_rss_bytes"] = server.peak_rss_bytes() if server is not None else None
+    summary["peak_rss_tree_bytes"] = server.peak_rss_bytes(tree=True) if server is not None else None
+    summary["levels"] = [_level_summary(run) for run in runs]
+    return TargetRun(name, base_url, summary, runs)
+
+
+def _level_summary(run: LevelRun) -> dict[str, Any]:
+    stats = level_stats(run.results, run.wall_seconds, run.concurrency)
+    stats["issued_all"] = run.issued_all
+    stats["request_records"] = [r.to_dict() for r in run.results]
+    return stats
+
+
+def failed_target(name: str, url: str, error: str) -> TargetRun:
+    """A server that could not be started or benchmarked still appears in the report."""
+    return TargetRun(name, url, {"name": name, "url": url, "error": error, "levels": [], "notes": []})

@@ -1,0 +1,234 @@
+"""Servers the bench starts itself: command lines, readiness, peak memory, clean shutdown.
+
+Every server binds 127.0.0.1 on a free port and gets the same thread count (OMP_NUM_THREADS plus its own
+flag). Each runs in its own session so SIGTERM/SIGKILL reach its worker processes too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+KNOWN = ("bucketserve", "transformers", "llama")
+
+
+class ServerError(RuntimeError):
+    """A server did not start, did not become ready in time, or exited early."""
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    name: str
+    argv: tuple[str, ...]
+    port: int
+    env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise ValueError(f"{self.name}: argv must not be empty")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"{self.name}: port must be in 1..65535, got {self.port}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def thread_env(threads: int) -> tuple[tuple[str, str], ...]:
+    if threads <= 0:
+        return (("TOKENIZERS_PARALLELISM", "false"),)
+    n = str(threads)
+    return (("OMP_NUM_THREADS", n), ("MKL_NUM_THREADS", n), ("TOKENIZERS_PARALLELISM", "false"))
+
+
+def _venv_tool(name: str) -> str | None:
+    """A console script of this interpreter's environment, else one on PATH."""
+    local = Path(sys.executable).with_name(name)
+    return str(local) if local.exists() else shutil.which(name)
+
+
+def bucketserve_command(model: str, threads: int, extra: list[str], port: int | None = None) -> ServerCommand:
+    port = port or free_port()
+    exe = _venv_tool("bucketserve")
+    # Not installed as a script (a source checkout): call the CLI entry point directly.
+    base = [exe] if exe else [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())"]
+    argv = [*base, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port)]
+    if threads > 0:
+        argv += ["--num-threads", str(threads)]
+    return ServerCommand("bucketserve", tuple(argv + extra), port, thread_env(threads))
+
+
+def transformers_command(hf_model: str, threads: int, extra: list[str], port: int | None = None) -> ServerCommand:
+    port = port or free_port()
+    exe = _venv_tool("transformers")
+    if exe is None:
+        raise ServerError("transformers: no `transformers` executable next to this Python or on PATH")
+    argv = [exe, "serve", "--continuous-batching", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    # FORCE_MODEL preloads the weights before the port opens, so load time counts as start-up, not TTFT
+    return ServerCommand("transformers", tuple(argv + extra + [hf_model]), port, thread_env(threads))
+
+
+def llama_command(
+    binary: str, gguf: str, threads: int, parallel: int, ctx_per_slot: int, extra: list[str], port: int | None = None
+) -> ServerCommand:
+    port = port or free_port()
+    argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]
+    if threads > 0:
+        argv += ["--threads", str(threads), "--threads-batch", str(threads)]
+    # llama-server splits --ctx-size evenly across its slots: one slot per concurrent client
+    argv += ["--parallel", str(parallel), "--ctx-size", str(parallel * ctx_per_slot)]
+    return ServerCommand("llama", tuple(argv + extra), port, thread_env(threads))
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            out += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _vm_hwm(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes(pid: int, tree: bool = False) -> int | None:
+    """Peak resident set (VmHWM from /proc, Linux) of the process; with `tree`, summed over its live
+    descendants too (an upper bound: their peaks need not coincide, and forked pages count twice)."""
+    if not tree:
+        return _vm_hwm(pid)
+    total, found, seen, stack = 0, False, set(), [pid]
+    while stack:
+        p = stack.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        hwm = _vm_hwm(p)
+        if hwm is not None:
+            total, found = total + hwm, True
+            stack += _children(p)
+    return total if found else None
+
+
+class RunningServer:
+    """A started server process; use as a context manager so it is always stopped."""
+
+    def __init__(self, cmd: ServerCommand, log_path: Path) -> None:
+        self.cmd = cmd
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "wb")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(
+            list(cmd.argv),
+            env={**os.environ, **dict(cmd.env)},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float, poll: float = 0.5) -> float:
+        """Seconds from process start until /ready (or /health when there is no /ready) answers 200."""
+        deadline = self.started + timeout
+        with httpx.Client(timeout=5.0) as client:
+            while time.perf_counter() < deadline:
+                if self.proc.poll() is not None:
+                    raise ServerError(
+                        f"{self.cmd.name} exited with code {self.proc.returncode} before it was ready; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                if _is_ready(client, self.cmd.url):
+                    return time.perf_counter() - self.started
+                time.sleep(poll)
+        raise ServerError(f"{self.cmd.name} not ready after {timeout:g} s; log {self.log_path}:\n{self.log_tail()}")
+
+    def peak_rss_bytes(self, tree: bool = False) -> int | None:
+        return peak_rss_bytes(self.proc.pid, tree) if self.proc.poll() is None else None
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL whatever is left after `grace` seconds."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers the leader left behind
+        self._log.close()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _readiness(client: httpx.Client, url: str) -> str:
+    """"ready", "warming" (the server answers but not 200 yet) or "down" (nothing answers)."""
+    for path in ("/ready", "/health"):
+        try:
+            resp = client.get(url + path)
+        except httpx.HTTPError:
+            return "down"
+        if resp.status_code == 200:
+            return "ready"
+        if resp.status_code not in (404, 405):
+            return "warming"  # e.g. 503 while warming up: the server has the endpoint and says "not yet"
+    return "warming"
+
+
+def _is_ready(client: httpx.Client, url: str) -> bool:
+    return _readiness(client, url) == "ready"
+
+
+def wait_until_ready(url: str, timeout: float, poll: float = 1.0) -> float | None:
+    """For a server the bench did not start: seconds waited while it warms up (answers, but not ready).
+    Returns at once when nothing answers (the requests will report the connection errors); None when
+    it was still warming after `timeout`."""
+    start = time.perf_counter()
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            state = _readiness(client, url.rstrip("/"))
+            if state != "warming":
+                return time.perf_counter() - start
+            if time.perf_counter() - start > timeout:
+                return None
+            time.sleep(poll)

@@ -1,0 +1,123 @@
+"""Servers the bench starts itself: readiness, memory, clean stop, and the --compare flow (on fakes)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.compare import Comparison, SkipServer, output_bound, parse_names, run_compare
+from bench.modelfiles import ModelFiles, resolve
+from bench.prompts import Prompt
+from bench.report import document, markdown, ratio_lines
+from bench.runner import RunOptions
+from bench.servers import (
+    RunningServer,
+    ServerCommand,
+    ServerError,
+    bucketserve_command,
+    free_port,
+    llama_command,
+    peak_rss_bytes,
+    transformers_command,
+)
+from bench.workload import LengthDist
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fake_command(name: str) -> ServerCommand:
+    port = free_port()
+    script = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+        f"from tests.bench.fake_openai import serve_forever; serve_forever({port})"
+    )
+    return ServerCommand(name, (sys.executable, "-c", script), port)
+
+
+def test_parse_names_and_output_bound() -> None:
+    assert parse_names("bucketserve, transformers,llama.cpp,bucketserve") == ["bucketserve", "transformers", "llama"]
+    with pytest.raises(ValueError, match="vllm"):
+        parse_names("bucketserve,vllm")
+    assert output_bound(LengthDist("fixed", 64.0)) == 64
+    assert output_bound(LengthDist("uniform", 8.0, 100.0)) == 100
+    assert output_bound(LengthDist("lognormal", 10.0, 0.0)) == 10
+
+
+def test_commands_share_threads_and_bind_localhost() -> None:
+    b = bucketserve_command("default", 2, ["--compile-backend", "eager"], port=8123)
+    assert b.argv[-2:] == ("--compile-backend", "eager") and "--num-threads" in b.argv
+    assert ("OMP_NUM_THREADS", "2") in b.env and b.url == "http://127.0.0.1:8123"
+    t = transformers_command("/models/x", 2, [], port=8124)
+    assert t.argv[-1] == "/models/x" and "--continuous-batching" in t.argv and ("OMP_NUM_THREADS", "2") in t.env
+    ll = llama_command("/bin/llama-server", "/m.gguf", 2, 4, 512, [], port=8125)
+    i = ll.argv.index("--ctx-size")
+    assert ll.argv[i + 1] == "2048" and ll.argv[ll.argv.index("--threads") + 1] == "2"
+
+
+def test_model_resolution() -> None:
+    assert resolve("/w/model.gguf") == ModelFiles("/w/model.gguf", "/w/model.gguf", None)
+    assert resolve("/no/such/dir", hf_model="/hf") == ModelFiles("/no/such/dir", None, "/hf")
+    assert resolve("default", llama_model="/x.gguf").gguf == "/x.gguf"
+
+
+def test_llama_is_skipped_without_a_binary(tmp_path: Path) -> None:
+    import argparse
+
+    comp = Comparison(argparse.Namespace(threads=1), ModelFiles("default", "/m.gguf", None), tmp_path, 512)
+    with pytest.raises(SkipServer, match="llama-server"):
+        comp.command("llama")
+
+
+def test_running_server_ready_memory_and_stop(tmp_path: Path) -> None:
+    with RunningServer(fake_command("fake"), tmp_path / "fake.log") as server:
+        ready = server.wait_ready(30)
+        assert 0 < ready < 30
+        rss = server.peak_rss_bytes()
+        assert rss is not None and rss > 1 << 20
+        tree = server.peak_rss_bytes(tree=True)
+        assert tree is not None and tree >= rss
+        pid = server.proc.pid
+    assert server.proc.poll() is not None and peak_rss_bytes(pid) is None
+
+
+def test_server_that_exits_early_is_reported(tmp_path: Path) -> None:
+    cmd = ServerCommand("broken", (sys.executable, "-c", "print('no model'); raise SystemExit(3)"), free_port())
+    with RunningServer(cmd, tmp_path / "broken.log") as server:
+        with pytest.raises(ServerError, match="exited with code 3"):
+            server.wait_ready(30)
+    assert "no model" in (tmp_path / "broken.log").read_text()
+
+
+class FakeComparison(Comparison):
+    def command(self, name: str) -> ServerCommand:
+        if name == "llama":
+            raise SkipServer("no --llama-server PATH given")
+        return fake_command(name)
+
+
+def test_compare_flow_on_two_fakes(tmp_path: Path) -> None:
+    import argparse
+
+    built: list[str] = []
+
+    def make_prompts(url: str, local: str | None) -> list[Prompt]:
+        built.append(url)
+        return [Prompt(i, f"p{i}", tuple(range(20 + 40 * i)), 3, 20 + 40 * i) for i in range(4)]
+
+    comp = FakeComparison(argparse.Namespace(threads=1), ModelFiles("default", None, None), tmp_path, 512)
+    opts = RunOptions(concurrency=(1, 2))
+    targets = run_compare(["bucketserve", "transformers", "llama"], comp, opts, tmp_path, make_prompts, 30,
+                          log=lambda _: None)
+    assert len(built) == 1  # prompts are built once and reused for every server
+    assert [t.name for t in targets] == ["bucketserve", "transformers", "llama"]
+    assert targets[0].ok and targets[1].ok and targets[2].summary.get("skipped")
+    for t in targets[:2]:
+        assert t.summary["peak_rss_bytes"] > 0 and t.summary["startup"]["ready_seconds"] > 0
+        assert [lv["completed"] for lv in t.summary["levels"]] == [4, 4]
+    doc = document({"workload": {}}, targets)
+    assert [(r["target"], r["concurrency"]) for r in doc["ratios"]] == [("transformers", 1), ("transformers", 2)]
+    assert all(r["throughput"] > 0 for r in doc["ratios"])
+    assert len(ratio_lines(doc)) == 2 and "## Ratios" in markdown(doc)
+    assert (tmp_path / "logs" / "bucketserve.log").exists()
