@@ -74,6 +74,7 @@ class Scheduler:
     table: BucketTable
     max_waiting_requests: int = 64
     max_waiting_tokens: int = 65536
+    policy: str = "continuous"  # "static": run-to-completion batches (what many static-shape servers do)
     waiting: deque[Sequence] = field(default_factory=deque)
     running: dict[int, Sequence] = field(default_factory=dict)  # slot -> sequence
     _waiting_tokens: int = 0
@@ -82,6 +83,8 @@ class Scheduler:
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be positive")
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
 
     # -- admission -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -113,7 +116,13 @@ class Scheduler:
     def schedule(self) -> Step | None:
         free = self.free_slots()
         want_prefill = bool(self.waiting) and bool(free)
-        if want_prefill and not (self._last_was_prefill and self.running):
+        if self.policy == "static":
+            # A batch forms (consecutive prefills) only while nothing decodes, then runs to completion.
+            want_prefill = want_prefill and (not self.running or self._last_was_prefill)
+            if want_prefill:
+                self._last_was_prefill = True
+                return self._prefill(free)
+        elif want_prefill and not (self._last_was_prefill and self.running):
             self._last_was_prefill = True
             return self._prefill(free)
         self._last_was_prefill = False

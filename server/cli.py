@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from typing import Sequence
@@ -47,7 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.logs import configure_logging
+
+    configure_logging(getattr(args, "log_format", "text") or "text")
     try:
         if args.command == "serve":
             from server.serve import serve_main

@@ -39,6 +39,7 @@ class ServerSettings:
     max_waiting_requests: int = 64
     max_waiting_tokens: int = 65536
     recompile_policy: str = "error"  # error | allow
+    batching: str = "continuous"  # continuous | static (run-to-completion batches, for comparison)
     compile_cache_dir: str = ""
     require_cached_graphs: bool = False
     num_threads: int = 0  # 0 -> torch's default
@@ -58,6 +59,7 @@ class ServerSettings:
         _choice("dtype", self.dtype, ("float32", "bfloat16"))
         _choice("compile_backend", self.compile_backend, COMPILE_BACKENDS)
         _choice("recompile_policy", self.recompile_policy, ("error", "allow"))
+        _choice("batching", self.batching, ("continuous", "static"))
         _choice("log_format", self.log_format, ("text", "json"))
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, got {self.port}")
@@ -120,6 +122,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests)
     parser.add_argument("--max-waiting-tokens", type=int, default=d.max_waiting_tokens)
     parser.add_argument("--recompile-policy", default=d.recompile_policy, choices=["error", "allow"])
+    parser.add_argument("--batching", default=d.batching, choices=["continuous", "static"],
+                        help="static: a batch runs to completion before new requests join (for comparison)")
     parser.add_argument("--compile-cache-dir", default=d.compile_cache_dir)
     parser.add_argument("--require-cached-graphs", action="store_true", default=d.require_cached_graphs)
     parser.add_argument("--num-threads", type=int, default=d.num_threads)

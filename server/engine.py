@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("bucketserve.engine")
+request_log = logging.getLogger("bucketserve.requests")
 
 
 @dataclass
@@ -62,7 +63,8 @@ class _Active:
 
 class Engine:
     def __init__(self, model: EngineModel, *, max_waiting_requests: int = 64, max_waiting_tokens: int = 65536,
-                 request_timeout: float = 0.0, metrics: Any = None) -> None:
+                 request_timeout: float = 0.0, metrics: Any = None, batching: str = "continuous",
+                 log_prompts: bool = False) -> None:
         self.model = model
         self.table = model.table
         self.tokenizer = model.tokenizer
@@ -70,7 +72,8 @@ class Engine:
         self.eos_token_ids = model.eos_token_ids
         self.metrics = metrics
         self.request_timeout = request_timeout
-        self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens)
+        self.log_prompts = log_prompts
+        self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens, batching)
         self._lock = threading.Lock()  # guards the scheduler and _active between the loop and the thread
         self._wake = threading.Condition(self._lock)
         self._active: dict[str, _Active] = {}
@@ -268,6 +271,7 @@ class Engine:
             active.gaps.append(now - active.last_token_at)
         active.last_token_at = now
         if reason is not None:
+            self._log_request(active, reason, now)
             self._finished_times.append(now)
             del self._finished_times[:-256]
             if self.metrics is not None:
@@ -280,8 +284,22 @@ class Engine:
             self._account_end(active, "error", "error")
             active.handle.push([TokenEvent(None, None, (), "error", message)])
 
+    def _log_request(self, active: _Active, status: str, now: float) -> None:
+        """One line per request at completion; never the prompt text unless --log-prompts."""
+        seq = active.seq
+        ttft = round(active.first_token_at - active.arrival, 4) if active.first_token_at else None
+        fields: dict[str, Any] = {"request_id": active.handle.request_id, "bucket": seq.bucket,
+                                  "prompt_tokens": seq.prompt_len, "output_tokens": seq.num_generated,
+                                  "ttft_s": ttft, "duration_s": round(now - active.arrival, 4), "status": status}
+        if self.log_prompts:
+            fields["prompt"] = self.tokenizer.decode(active.prompt_ids)
+        request_log.info("request %s bucket=%d prompt=%d output=%d ttft=%s duration=%.3fs status=%s",
+                         fields["request_id"], seq.bucket, seq.prompt_len, seq.num_generated, ttft,
+                         fields["duration_s"], status, extra=fields)
+
     def _account_end(self, active: _Active, abort_reason: str, finish_reason: str) -> None:
         """Metrics for a request that ended without a final token (abort, timeout, error)."""
+        self._log_request(active, abort_reason if finish_reason == "abort" else finish_reason, time.monotonic())
         if self.metrics is None:
             return
         self.metrics.request_aborted(abort_reason)

@@ -42,7 +42,7 @@ def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = 
         log.info("%s", padding_report(model.table, read_lengths_file(settings.lengths_file)))
     engine = Engine(model, max_waiting_requests=settings.max_waiting_requests,
                     max_waiting_tokens=settings.max_waiting_tokens, request_timeout=settings.request_timeout,
-                    metrics=metrics)
+                    metrics=metrics, batching=settings.batching, log_prompts=settings.log_prompts)
     return engine, metrics
 
 
@@ -77,7 +77,9 @@ def serve_main(settings: ServerSettings) -> int:
     disable_created_metrics()  # no *_created series: half the lines, none of the value
     engine, metrics = build_engine(settings)
     app = create_app(engine, settings, metrics)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+    # log_config=None: uvicorn's loggers propagate to our handlers (text or JSON); no access log, since
+    # the engine writes one line per request with the facts that matter (bucket, tokens, TTFT, status).
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, engine, settings.drain_timeout)
     asyncio.run(server.serve())

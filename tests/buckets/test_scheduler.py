@@ -118,3 +118,22 @@ def test_random_workload_is_fcfs_and_completes() -> None:
     for bucket in TABLE.lengths:
         order = [r for r in started if next(q for q in seqs if q.request_id == r).bucket == bucket]
         assert order == [q.request_id for q in seqs if q.bucket == bucket]
+
+
+def test_static_policy_runs_batches_to_completion() -> None:
+    s = Scheduler(TABLE, policy="static")
+    s.add(seq("a", 3, max_tokens=3))
+    s.add(seq("b", 3, max_tokens=3))
+    step, _ = run_step(s)
+    assert isinstance(step, PrefillStep) and len(step.seqs) == 2
+    step, _ = run_step(s)
+    assert isinstance(step, DecodeStep)
+    s.add(seq("late", 3, max_tokens=1))
+    kinds = []
+    while (step := s.schedule()) is not None:
+        kinds.append((type(step).__name__, [q.request_id for q in step.seqs]))
+        s.update(step, {q.request_id: 1 for q in step.seqs})
+    # The late request waits until the running batch has finished, unlike continuous batching.
+    assert kinds == [("DecodeStep", ["a", "b"]), ("PrefillStep", ["late"])]
+    with pytest.raises(ValueError):
+        Scheduler(TABLE, policy="fifo")
