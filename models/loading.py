@@ -112,13 +112,16 @@ def load_tokenizer(path: str) -> object:
 
 
 def load_model(path: str, dtype: str, device: str) -> torch.nn.Module:
-    """Load weights for inference. sdpa attention: it takes the additive 4-D per-slot masks we build."""
+    """Load weights for inference. SDPA attention (with packed grouped-query heads for decode): it takes
+    the additive 4-D per-slot masks we build."""
     from transformers import AutoModelForCausalLM
+
+    from models.attention import register
 
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=register())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
     model.eval()

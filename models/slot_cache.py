@@ -88,11 +88,15 @@ class DecodeLayer(_ViewLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states: [b, H, 1, D] -> written at [i, :, write_pos[i], :]
-        b, h, q, d = key_states.shape
-        index = self.write_pos.view(b, 1, 1, 1).expand(b, h, q, d)
-        self.k.scatter_(2, index, key_states)
-        self.v.scatter_(2, index, value_states)
+        # key_states: [b, H, 1, D] -> written at [i, h, write_pos[i], :]. The cache is viewed as rows
+        # [b * H * C, D] and written with index_copy_: inductor then updates the buffer in place, where a
+        # scatter_ along dim 2 made it copy a whole cache layer per step (2.5x slower decode at b=8).
+        b, h, _, d = key_states.shape
+        context = self.k.shape[2]
+        rows = torch.arange(b * h, device=key_states.device).view(b, h) * context + self.write_pos.view(b, 1)
+        rows = rows.view(-1)
+        self.k.view(b * h * context, d).index_copy_(0, rows, key_states.reshape(b * h, d))
+        self.v.view(b * h * context, d).index_copy_(0, rows, value_states.reshape(b * h, d))
         return self.k, self.v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
