@@ -65,6 +65,9 @@ class Comparison:
         threads = int(getattr(a, "threads", 0))
         if name == "bucketserve":
             return bucketserve_command(self.files.bucketserve, threads, self._extra(name))
+        if name == "bucketserve-static":
+            extra = self._extra("bucketserve") + ["--batching", "static"]
+            return bucketserve_command(self.files.bucketserve, threads, extra, name=name)
         if name == "transformers":
             hf = modelfiles.hf_checkpoint(self.files, self.cache_dir, threads)
             self.local_tokenizer = self.local_tokenizer or hf

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 
-KNOWN = ("bucketserve", "transformers", "llama")
+# bucketserve-static: bucketserve with --batching static (run-to-completion batches), for comparison.
+KNOWN = ("bucketserve", "bucketserve-static", "transformers", "llama")
 
 
 class ServerError(RuntimeError):
@@ -62,7 +63,8 @@ def _venv_tool(name: str) -> str | None:
     return str(local) if local.exists() else shutil.which(name)
 
 
-def bucketserve_command(model: str, threads: int, extra: list[str], port: int | None = None) -> ServerCommand:
+def bucketserve_command(model: str, threads: int, extra: list[str], port: int | None = None,
+                        name: str = "bucketserve") -> ServerCommand:
     port = port or free_port()
     exe = _venv_tool("bucketserve")
     # Not installed as a script (a source checkout): call the CLI entry point directly.
@@ -70,7 +72,7 @@ def bucketserve_command(model: str, threads: int, extra: list[str], port: int | 
     argv = [*base, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port)]
     if threads > 0:
         argv += ["--num-threads", str(threads)]
-    return ServerCommand("bucketserve", tuple(argv + extra), port, thread_env(threads))
+    return ServerCommand(name, tuple(argv + extra), port, thread_env(threads))
 
 
 def transformers_command(hf_model: str, threads: int, extra: list[str], port: int | None = None) -> ServerCommand:

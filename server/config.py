@@ -40,7 +40,9 @@ class ServerSettings:
     max_waiting_tokens: int = 65536
     recompile_policy: str = "error"  # error | allow
     batching: str = "continuous"  # continuous | static (run-to-completion batches, for comparison)
-    compile_cache_dir: str = ""
+    # Persistent compile cache root; a subdirectory per (model, dtype, device, buckets, versions) is used.
+    # "auto": $XDG_CACHE_HOME/bucketserve/compile; "none": no persistent cache.
+    compile_cache_dir: str = "auto"
     require_cached_graphs: bool = False
     num_threads: int = 0  # 0 -> torch's default
     api_keys: tuple[str, ...] = ()
@@ -124,7 +126,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompile-policy", default=d.recompile_policy, choices=["error", "allow"])
     parser.add_argument("--batching", default=d.batching, choices=["continuous", "static"],
                         help="static: a batch runs to completion before new requests join (for comparison)")
-    parser.add_argument("--compile-cache-dir", default=d.compile_cache_dir)
+    parser.add_argument("--compile-cache-dir", default=d.compile_cache_dir,
+                        help="persistent compile cache root ('auto': ~/.cache/bucketserve/compile; 'none': off)")
     parser.add_argument("--require-cached-graphs", action="store_true", default=d.require_cached_graphs)
     parser.add_argument("--num-threads", type=int, default=d.num_threads)
     parser.add_argument("--api-key", dest="api_keys", action="append", default=None, help="repeatable")

@@ -109,10 +109,15 @@ class EngineModel:
 
     def compile_cache_dir(self) -> str:
         """The keyed subdirectory of --compile-cache-dir for this model, dtype, device, buckets and versions."""
-        if not self.settings.compile_cache_dir:
-            return ""
         import os
         from pathlib import Path
+
+        root = self.settings.compile_cache_dir
+        if root in ("", "none"):
+            return ""
+        if root == "auto":
+            cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+            root = os.path.join(cache_home, "bucketserve", "compile")
 
         from models.compile import cache_key
 
@@ -122,7 +127,7 @@ class EngineModel:
                  "dtype": self.settings.dtype, "device": self.settings.device,
                  "backend": self.settings.compile_backend, "buckets": self.table.to_dict(),
                  "threads": torch.get_num_threads()}
-        return os.path.join(self.settings.compile_cache_dir, cache_key(parts))
+        return os.path.join(root, cache_key(parts))
 
     def run_step(self, step: PrefillStep | DecodeStep, prompt_of: Callable[[str], list[int]]) -> list[torch.Tensor]:
         """Runs the graph for one scheduler step; returns one logits row [V] per sequence of the step."""

@@ -21,7 +21,7 @@ def precompile_main(settings: ServerSettings) -> int:
         "dtype": settings.dtype,
         "device": settings.device,
         "compile_backend": settings.compile_backend,
-        "compile_cache_dir": settings.compile_cache_dir,
+        "compile_cache_dir": model.compile_cache_dir(),
         "buckets": model.table.to_dict(),
         "graphs": [
             {"graph": r.key.phase, "bucket": r.key.bucket, "seconds": round(r.seconds, 3)}
