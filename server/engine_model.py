@@ -86,7 +86,7 @@ class EngineModel:
                  list(self.table.lengths), list(self.table.batch_sizes), list(self.table.prefill_batch_sizes),
                  self.table.context_length, self.runner.num_graphs)
         if self.metrics is not None:
-            self.metrics.warmup_progress(0, self.progress.total)
+            self.metrics.warmup_progress(0, self.table.num_graphs)
         self.progress.started = time.monotonic()
         if keys is not None:
             self.progress.total = len(keys)
@@ -163,7 +163,8 @@ class EngineModel:
             source = {True: " (from cache)", False: " (compiled)", None: " (compiled)"}[record.cache_hit]
         log.info("warm-up %d/%d %s %.2f s%s", done, total, key, seconds, source)
         if self.metrics is not None:
-            self.metrics.warmup_progress(done, total)
+            # Against the whole table: a partial warm-up (tests, `generate`) must not look complete.
+            self.metrics.warmup_progress(done, self.table.num_graphs)
 
     def _on_compile(self, record: CompileRecord) -> None:
         if self.metrics is None or record.key is None:

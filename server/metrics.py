@@ -48,7 +48,7 @@ def _check_seconds(name: str, value: float) -> None:
 
 
 class Metrics:
-    """Owns every bucketserve metric on `registry`; see docs/metrics.md for the series."""
+    """Owns every bucketserve metric on `registry`; see the Metrics section of README.md for the series."""
 
     def __init__(
         self,
