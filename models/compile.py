@@ -35,7 +35,7 @@ class CompileSettings:
     backend: str = "inductor"
     recompile_policy: str = "error"  # error | allow
     cache_dir: str = ""  # persistent compile cache; "" -> the backend's default
-    inductor_freezing: bool = False
+    inductor_freezing: bool = False  # faster on CPU, but frozen graphs bypass the persistent cache
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -69,6 +69,9 @@ class CompileAccountant:
     """Counts compilations per graph key. `on_compile(record)` lets the server export metrics."""
 
     on_compile: Callable[[CompileRecord], None] | None = None
+    # Called when a compile after warm-up was refused (policy "error"): (graph key, reason). The attempt
+    # is the alert signal even though nothing compiled.
+    on_refused: Callable[[Any, str], None] | None = None
     records: list[CompileRecord] = field(default_factory=list)
     phase: CompilePhase = "warmup"
     current_key: Any = None
@@ -97,6 +100,11 @@ class CompileAccountant:
             log.warning("graph %s compiled after warm-up (%.1f s)", rec.key, seconds)
         if self.on_compile is not None:
             self.on_compile(rec)
+
+    def refused(self, key: Any, reason: str) -> None:
+        log.error("refused to compile graph %s after warm-up (%s)", key, reason)
+        if self.on_refused is not None:
+            self.on_refused(key, reason)
 
     def count(self, phase: CompilePhase | None = None) -> int:
         with self._lock:

@@ -9,9 +9,11 @@ under a cache directory, and every later start loads that.
 from __future__ import annotations
 
 import importlib.util
+import sys
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -130,10 +132,13 @@ def load_model(path: str, dtype: str, device: str) -> torch.nn.Module:
     return moved
 
 
-def max_positions(model: torch.nn.Module) -> int:
-    config = getattr(model, "config", None)
+def max_positions(model_or_config: Any) -> int:
+    """The model's context limit, from a model or its config (the text config for multimodal ones)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value
-    return 2048
+    return sys.maxsize  # no limit in the config: --max-model-len alone decides

@@ -186,6 +186,7 @@ class ModelRunner:
         if key is None:
             raise UnknownShapeError(f"{phase} graph for batch {batch}, length {length} is not in the bucket table")
         if self._fail_closed and (phase, batch, length) not in self.warmed:
+            self.accountant.refused(key, "unwarmed_shape")
             raise RecompileError(f"graph {key} was not warmed up; refusing to compile while serving")
         self.accountant.current_key = key
         return key
@@ -198,6 +199,7 @@ class ModelRunner:
                 return fn(self.model, *args)
         except RuntimeError as exc:
             if "fail_on_recompile" in str(exc) or "Detected recompile" in str(exc):
+                self.accountant.refused(key, "guard_failure")
                 raise RecompileError(f"graph {key} would recompile after warm-up: {exc}") from exc
             raise
 

@@ -18,6 +18,9 @@ class SamplingError(ValueError):
         super().__init__(f"{param}: {message}")
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation settings. `temperature == 0` means greedy."""
@@ -52,14 +55,15 @@ class SamplingParams:
             raise SamplingError("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise SamplingError("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise SamplingError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 100:
+            raise SamplingError("repetition_penalty", f"must be in [0.01, 100], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingError("logprobs", f"must be in [0, 20], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # A vanishing temperature is greedy in the limit; dividing by it would overflow to inf/NaN.
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -144,4 +148,6 @@ class Sampler:
             drop = cumulative - sorted_probs > p.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            return int(torch.argmax(row).item())  # degenerate distribution (overflowing logits): greedy
         return int(torch.multinomial(probs, 1, generator=self._generator).item())

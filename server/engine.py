@@ -17,8 +17,9 @@ from typing import Any
 
 from buckets import PromptTooLongError
 from buckets.scheduler import DecodeStep, PrefillStep, QueueFullError as _SchedulerQueueFull, Scheduler, Sequence
-from models.sampling import SamplingParams
+from models.sampling import SampledToken, SamplingParams
 from server.engine_model import CacheMissingError, EngineModel
+from server.hooks import SafeHooks
 from server.engine_types import (
     DrainingError,
     EngineDeadError,
@@ -70,7 +71,7 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.model_name = model.name
         self.eos_token_ids = model.eos_token_ids
-        self.metrics = metrics
+        self.metrics = SafeHooks(metrics)
         self.request_timeout = request_timeout
         self.log_prompts = log_prompts
         self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens, batching)
@@ -97,12 +98,18 @@ class Engine:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._fail_all("abort", None)
+        self.abort_all("drain")
 
     def begin_drain(self) -> None:
         self._draining = True
-        if self.metrics is not None:
-            self.metrics.set_ready(False)
+        self.metrics.set_ready(False)
+
+    def abort_all(self, reason: str, message: str | None = None) -> None:
+        """End every waiting and running request with finish_reason 'abort' (drain timeout, shutdown)."""
+        with self._lock:
+            ids = list(self._active)
+        for request_id in ids:
+            self.abort(request_id, reason, message)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no request is waiting or running (used by graceful drain)."""
@@ -142,18 +149,21 @@ class Engine:
 
     # -- requests (event-loop side) --------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
-        if self._failed is not None or (self._thread is not None and not self._thread.is_alive()):
-            raise EngineDeadError(f"the engine has stopped: {self._failed or 'thread exited'}")
-        if self._draining:
-            raise DrainingError(self.retry_after())
-        if not self.model.is_ready:
-            raise EngineNotReadyError(max(1.0, self.model.progress.eta()))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         seq = Sequence(rid, len(prompt_ids), params.max_tokens, stop_ids)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         with self._wake:
+            # Checked under the lock: a failing engine clears _active under it, so no request slips in after.
+            if self._failed is not None or self._stopping or (self._thread is not None and not self._thread.is_alive()):
+                raise EngineDeadError(f"the engine has stopped: {self._failed or 'shutting down'}")
+            if self._draining:
+                raise DrainingError(self.retry_after())
+            if not self.model.is_ready:
+                raise EngineNotReadyError(max(1.0, self.model.progress.eta()))
+            if rid in self._active:
+                raise ValueError(f"request id {rid!r} is already in use")
             try:
                 self._scheduler.add(seq)
             except _SchedulerQueueFull as exc:
@@ -164,15 +174,16 @@ class Engine:
             self._wake.notify_all()
         return handle
 
-    def abort(self, request_id: str, reason: str = "client") -> None:
+    def abort(self, request_id: str, reason: str = "client", message: str | None = None) -> None:
         """Thread-safe; frees the slot before the next step. The stream ends with finish_reason 'abort'."""
         with self._lock:
             active = self._active.pop(request_id, None)
             if active is None:
                 return
             self._scheduler.abort(request_id)
-        self._account_end(active, reason, "abort")
-        active.handle.push([TokenEvent(None, None, (), "abort")])
+        active.handle.push([TokenEvent(None, None, (), "abort", message)])  # first: nothing may prevent it
+        # A stop string is a normal end for the client ("stop"); everything else is an abort.
+        self._account_end(active, reason, "stop" if reason == "stop_string" else "abort")
 
     # -- the engine thread -------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -189,24 +200,29 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - any load/warm-up failure makes the server unhealthy
             log.exception("engine failed to load or warm up")
             self._failed = f"{type(exc).__name__}: {exc}"
+            self._fail_all(self._failed)
             return
         try:
             while True:
                 with self._wake:
                     if self._stopping:
                         return
-                    self._expire_deadlines()
-                    step = self._scheduler.schedule()
-                    if step is None:
+                    expired = self._expire_deadlines()
+                    step = None if expired else self._scheduler.schedule()
+                    if step is None and not expired:
                         self._publish_load()
                         self._wake.wait(0.5)
                         continue
                     prompts = self._start(step) if isinstance(step, PrefillStep) else {}
-                self._run(step, prompts)
+                for rid in expired:
+                    self.abort(rid, "timeout", "request timed out")
+                if step is not None:
+                    self._run(step, prompts)
         except Exception as exc:  # noqa: BLE001 - the engine cannot continue: /health turns 503
             log.exception("engine loop failed")
             self._failed = f"{type(exc).__name__}: {exc}"
-            self._fail_all("error", self._failed)
+            self.metrics.set_ready(False)
+            self._fail_all(self._failed)
         finally:
             self.model.close()
 
@@ -218,55 +234,48 @@ class Engine:
             active = self._active[seq.request_id]
             active.started = True
             prompts[seq.request_id] = active.prompt_ids
-            if self.metrics is not None:
-                self.metrics.request_started(seq.bucket, now - active.arrival)
+            self.metrics.request_started(seq.bucket, now - active.arrival)
         return prompts
 
     def _run(self, step: PrefillStep | DecodeStep, prompts: dict[str, list[int]]) -> None:
         try:
-            rows = self.model.run_step(step, prompts.__getitem__)  # logits rows aligned with step.seqs
+            logits = self.model.run_step(step, prompts.__getitem__)  # [len(step.seqs), V] on the host
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
             log.exception("step %s failed", type(step).__name__)
-            with self._lock:
-                for seq in step.seqs:
-                    self._scheduler.abort(seq.request_id)
-                    self._finish_error(seq.request_id, f"{type(exc).__name__}: {exc}")
+            for seq in step.seqs:
+                self._finish_error(seq.request_id, f"{type(exc).__name__}: {exc}")
             return
-        now = time.monotonic()
-        events: list[tuple[_Active, TokenEvent]] = []
-        sampled: dict[str, int] = {}
         with self._lock:
-            for seq, logits in zip(step.seqs, rows):
-                active = self._active.get(seq.request_id)
-                if active is None:
-                    continue  # aborted while the step ran
-                try:
-                    tok = active.sampler.sample(logits)
-                except Exception as exc:  # noqa: BLE001
-                    self._scheduler.abort(seq.request_id)
-                    self._finish_error(seq.request_id, f"sampling failed: {exc}")
-                    continue
-                sampled[seq.request_id] = tok.token_id
-                events.append((active, TokenEvent(tok.token_id, tok.logprob, tok.top_logprobs, None)))
-            finished = {s.request_id: s.finish_reason for s in self._scheduler.update(step, sampled)}
-            out: dict[RequestHandle, list[TokenEvent]] = {}
-            for active, event in events:
-                reason = finished.get(active.handle.request_id)
-                if reason is not None:
-                    event = TokenEvent(event.token_id, event.logprob, event.top_logprobs, reason)
-                    self._active.pop(active.handle.request_id, None)
-                out.setdefault(active.handle, []).append(event)
-                self._account_token(active, now, reason)
-        for handle, batch in out.items():
-            handle.push(batch)
+            owners = [self._active.get(seq.request_id) for seq in step.seqs]
+        # Sampling runs outside the lock: each sampler belongs to its request and to this thread alone.
+        sampled: dict[str, SampledToken] = {}
+        for seq, active, row in zip(step.seqs, owners, logits):
+            if active is None:
+                continue  # aborted while the step ran
+            try:
+                sampled[seq.request_id] = active.sampler.sample(row)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
+                self._finish_error(seq.request_id, f"sampling failed: {exc}")
+        now = time.monotonic()
+        out: list[tuple[_Active, TokenEvent]] = []
+        with self._lock:
+            live = {rid: tok for rid, tok in sampled.items() if rid in self._active}
+            finished = {s.request_id: s.finish_reason for s in
+                        self._scheduler.update(step, {rid: tok.token_id for rid, tok in live.items()})}
+            for rid, tok in live.items():
+                reason = finished.get(rid)
+                active = self._active.pop(rid) if reason is not None else self._active[rid]
+                out.append((active, TokenEvent(tok.token_id, tok.logprob, tok.top_logprobs, reason)))
+        _deliver([(active.handle, [event]) for active, event in out])
+        for active, event in out:
+            self._account_token(active, now, event.finish_reason)
         self._publish_load()
 
     # -- bookkeeping (engine thread, lock held) ------------------------------------------------------------
     def _account_token(self, active: _Active, now: float, reason: str | None) -> None:
         if active.first_token_at == 0.0:
             active.first_token_at = now
-            if self.metrics is not None:
-                self.metrics.first_token(active.seq.bucket, now - active.arrival)
+            self.metrics.first_token(active.seq.bucket, now - active.arrival)
         else:
             active.gaps.append(now - active.last_token_at)
         active.last_token_at = now
@@ -274,15 +283,16 @@ class Engine:
             self._log_request(active, reason, now)
             self._finished_times.append(now)
             del self._finished_times[:-256]
-            if self.metrics is not None:
-                n = active.seq.num_generated
-                self.metrics.request_finished(active.seq.bucket, now - active.arrival, n, active.gaps, reason)
+            n = active.seq.num_generated
+            self.metrics.request_finished(active.seq.bucket, now - active.arrival, n, active.gaps, reason)
 
     def _finish_error(self, request_id: str, message: str) -> None:
-        active = self._active.pop(request_id, None)
+        with self._lock:
+            active = self._active.pop(request_id, None)
+            self._scheduler.abort(request_id)
         if active is not None:
-            self._account_end(active, "error", "error")
             active.handle.push([TokenEvent(None, None, (), "error", message)])
+            self._account_end(active, "error", "error")
 
     def _log_request(self, active: _Active, status: str, now: float) -> None:
         """One line per request at completion; never the prompt text unless --log-prompts."""
@@ -293,40 +303,56 @@ class Engine:
                                   "ttft_s": ttft, "duration_s": round(now - active.arrival, 4), "status": status}
         if self.log_prompts:
             fields["prompt"] = self.tokenizer.decode(active.prompt_ids)
-        request_log.info("request %s bucket=%d prompt=%d output=%d ttft=%s duration=%.3fs status=%s",
-                         fields["request_id"], seq.bucket, seq.prompt_len, seq.num_generated, ttft,
-                         fields["duration_s"], status, extra=fields)
+        try:
+            request_log.info("request %s bucket=%d prompt=%d output=%d ttft=%s duration=%.3fs status=%s",
+                             fields["request_id"], seq.bucket, seq.prompt_len, seq.num_generated, ttft,
+                             fields["duration_s"], status, extra=fields)
+        except Exception:  # noqa: BLE001 - a log handler must not break a request
+            pass
 
     def _account_end(self, active: _Active, abort_reason: str, finish_reason: str) -> None:
-        """Metrics for a request that ended without a final token (abort, timeout, error)."""
+        """Log and metrics for a request that ended without a final token (abort, timeout, error, stop string)."""
         self._log_request(active, abort_reason if finish_reason == "abort" else finish_reason, time.monotonic())
-        if self.metrics is None:
-            return
-        self.metrics.request_aborted(abort_reason)
+        if abort_reason != "stop_string":
+            self.metrics.request_aborted(abort_reason)
         if active.started:
             now = time.monotonic()
             n = active.seq.num_generated
             self.metrics.request_finished(active.seq.bucket, now - active.arrival, n, active.gaps, finish_reason)
 
-    def _expire_deadlines(self) -> None:
+    def _expire_deadlines(self) -> list[str]:
+        """Lock held: the requests past their deadline (aborted by the caller, outside the lock)."""
+        if self.request_timeout <= 0:
+            return []
         now = time.monotonic()
-        for rid, active in list(self._active.items()):
-            if now >= active.deadline:
-                self._scheduler.abort(rid)
-                self._active.pop(rid, None)
-                self._account_end(active, "timeout", "abort")
-                active.handle.push([TokenEvent(None, None, (), "abort", "request timed out")])
+        return [rid for rid, active in self._active.items() if now >= active.deadline]
 
-    def _fail_all(self, reason: str, message: str | None) -> None:
+    def _fail_all(self, message: str) -> None:
+        """The engine cannot continue: every request ends with an error event."""
         with self._lock:
-            pending = list(self._active.values())
-            self._active.clear()
-            for active in pending:
-                self._scheduler.abort(active.handle.request_id)
-        for active in pending:
-            active.handle.push([TokenEvent(None, None, (), reason, message)])
+            ids = list(self._active)
+        for request_id in ids:
+            self._finish_error(request_id, message)
 
     def _publish_load(self) -> None:
-        if self.metrics is not None:
-            free = self.table.max_batch - self._scheduler.num_running
-            self.metrics.set_load(self._scheduler.num_running, self._scheduler.num_waiting, free)
+        free = self.table.max_batch - self._scheduler.num_running
+        self.metrics.set_load(self._scheduler.num_running, self._scheduler.num_waiting, free)
+
+
+def _deliver(batches: list[tuple[RequestHandle, list[TokenEvent]]]) -> None:
+    """One hop to the event loop for a whole step (not one per request or token)."""
+    if not batches:
+        return
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[TokenEvent]]]] = {}
+    for handle, events in batches:
+        by_loop.setdefault(handle.loop, []).append((handle, events))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver_now, items)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+
+def _deliver_now(items: list[tuple[RequestHandle, list[TokenEvent]]]) -> None:
+    for handle, events in items:
+        handle.deliver(events)

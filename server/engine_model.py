@@ -21,6 +21,7 @@ from models.loading import load_model, load_tokenizer, max_positions, model_disp
 from models.runner import ModelRunner, PrefillRow
 from models.sampling import Sampler, SamplingParams
 from server.config import ServerSettings
+from server.hooks import SafeHooks
 
 log = logging.getLogger("bucketserve.warmup")
 
@@ -53,7 +54,7 @@ class EngineModel:
 
         self.settings = settings
         self.path = model_path
-        self.metrics = metrics
+        self.metrics = SafeHooks(metrics)
         self.tokenizer: Any = load_tokenizer(model_path)
         self.config = AutoConfig.from_pretrained(model_path)
         self.table = table or settings.bucket_table(max_positions(self.config))
@@ -61,7 +62,7 @@ class EngineModel:
         self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
         self.progress = WarmupCounter(self.table.num_graphs)
         self.runner: ModelRunner | None = None
-        self.accountant = CompileAccountant(on_compile=self._on_compile)
+        self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused)
         self._ready = threading.Event()
 
     @property
@@ -80,13 +81,13 @@ class EngineModel:
         t0 = time.monotonic()
         model = load_model(self.path, s.dtype, s.device)
         log.info("loaded %s (%s, %s) in %.1f s", self.name, s.dtype, s.device, time.monotonic() - t0)
-        compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir())
+        compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
+                                           s.inductor_freezing)
         self.runner = ModelRunner(model, self.table, compile_settings, self.accountant)
         log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, context %d: %d graphs",
                  list(self.table.lengths), list(self.table.batch_sizes), list(self.table.prefill_batch_sizes),
                  self.table.context_length, self.runner.num_graphs)
-        if self.metrics is not None:
-            self.metrics.warmup_progress(0, self.table.num_graphs)
+        self.metrics.warmup_progress(0, self.table.num_graphs)
         self.progress.started = time.monotonic()
         if keys is not None:
             self.progress.total = len(keys)
@@ -102,9 +103,8 @@ class EngineModel:
             missing = [str(r.key) for r in self.accountant.records if not r.cache_hit]
             if missing:
                 raise CacheMissingError(f"{len(missing)} graphs were not in the compile cache: {', '.join(missing)}")
-        if self.metrics is not None:
-            self.metrics.warmup_finished(seconds)
-            self.metrics.set_ready(True)
+        self.metrics.warmup_finished(seconds)
+        self.metrics.set_ready(True)
         self._ready.set()
 
     def compile_cache_dir(self) -> str:
@@ -125,30 +125,33 @@ class EngineModel:
             if os.path.isdir(self.path) else []
         parts = {"model": os.path.abspath(self.path) if os.path.isdir(self.path) else self.path, "weights": weights,
                  "dtype": self.settings.dtype, "device": self.settings.device,
-                 "backend": self.settings.compile_backend, "buckets": self.table.to_dict(),
+                 "backend": self.settings.compile_backend, "freezing": self.settings.inductor_freezing,
+                 "buckets": self.table.to_dict(),
                  "threads": torch.get_num_threads()}
         return os.path.join(root, cache_key(parts))
 
-    def run_step(self, step: PrefillStep | DecodeStep, prompt_of: Callable[[str], list[int]]) -> list[torch.Tensor]:
-        """Runs the graph for one scheduler step; returns one logits row [V] per sequence of the step."""
+    def run_step(self, step: PrefillStep | DecodeStep, prompt_of: Callable[[str], list[int]]) -> torch.Tensor:
+        """Runs the graph for one scheduler step; returns logits [len(step.seqs), V], float32 on the host
+        (one device-to-host copy per step)."""
         assert self.runner is not None
         t0 = time.perf_counter()
         if isinstance(step, PrefillStep):
             rows = [PrefillRow(seq.slot, prompt_of(seq.request_id)) for seq in step.seqs]
             logits = self.runner.prefill(rows, step.length, step.batch)
-            if self.metrics is not None:
-                key = GraphKey("prefill", step.batch, step.length)
-                self.metrics.prefill_done(key, len(rows), step.padding_tokens, time.perf_counter() - t0)
-            return list(logits)
+            host = logits.float().cpu()
+            key = GraphKey("prefill", step.batch, step.length)
+            self.metrics.prefill_done(key, len(rows), step.padding_tokens, time.perf_counter() - t0)
+            return host
+        # Row i of a decode batch is slot i; free slots run as dummies (token 0 at position 0).
+        slots = torch.tensor([seq.slot for seq in step.seqs], dtype=torch.long)
         tokens = torch.zeros(step.batch, dtype=torch.long)
         positions = torch.zeros(step.batch, dtype=torch.long)
-        for seq in step.seqs:
-            tokens[seq.slot] = seq.last_token
-            positions[seq.slot] = seq.position
+        tokens[slots] = torch.tensor([seq.last_token for seq in step.seqs], dtype=torch.long)
+        positions[slots] = torch.tensor([seq.position for seq in step.seqs], dtype=torch.long)
         logits = self.runner.decode(step.batch, tokens, positions)
-        if self.metrics is not None:
-            self.metrics.decode_step_done(step.batch, len(step.seqs), time.perf_counter() - t0, step.padding_rows)
-        return [logits[seq.slot] for seq in step.seqs]
+        host = logits[slots.to(logits.device)].float().cpu()
+        self.metrics.decode_step_done(step.batch, len(step.seqs), time.perf_counter() - t0, step.padding_rows)
+        return host
 
     def close(self) -> None:
         if self.runner is not None:
@@ -162,12 +165,14 @@ class EngineModel:
         if record is not None and record.key == key:
             source = {True: " (from cache)", False: " (compiled)", None: " (compiled)"}[record.cache_hit]
         log.info("warm-up %d/%d %s %.2f s%s", done, total, key, seconds, source)
-        if self.metrics is not None:
-            # Against the whole table: a partial warm-up (tests, `generate`) must not look complete.
-            self.metrics.warmup_progress(done, self.table.num_graphs)
+        # Against the whole table: a partial warm-up (tests, `generate`) must not look complete.
+        self.metrics.warmup_progress(done, self.table.num_graphs)
+
+    def _on_refused(self, key: Any, reason: str) -> None:
+        self.metrics.recompiled(reason)
 
     def _on_compile(self, record: CompileRecord) -> None:
-        if self.metrics is None or record.key is None:
+        if record.key is None:
             return
         self.metrics.graph_compiled(record.key, record.seconds, record.phase)
         if record.cache_hit is not None:

@@ -74,11 +74,12 @@ class RequestHandle:
     def push(self, events: list[TokenEvent]) -> None:
         """Called from the engine thread: one hop to the event loop per step."""
         try:
-            self.loop.call_soon_threadsafe(self._deliver, events)
+            self.loop.call_soon_threadsafe(self.deliver, events)
         except RuntimeError:
             pass  # the loop is closed: nobody is listening any more
 
-    def _deliver(self, events: list[TokenEvent]) -> None:
+    def deliver(self, events: list[TokenEvent]) -> None:
+        """On the event loop: queue events for the reader."""
         for event in events:
             self._queue.put_nowait(event)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from models.sampling import SamplingParams
 from server.errors import bad_param, unsupported
@@ -23,6 +23,12 @@ class StreamOptions(StrictModel):
     include_usage: bool | None = False
 
 
+MAX_N = 128
+MAX_STOPS = 16
+MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
 class SamplingFields(StrictModel):
     """Sampling parameters shared by both OpenAI endpoints (plus the vLLM extensions)."""
 
@@ -33,8 +39,8 @@ class SamplingFields(StrictModel):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    n: Annotated[int, Field(ge=1)] | None = 1
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
@@ -42,6 +48,18 @@ class SamplingFields(StrictModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        # Stop strings are matched per token on the event loop: bound their number and length
+        # (OpenAI itself allows 4).
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        if any(len(stop) > MAX_STOP_LENGTH for stop in stops):
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_LENGTH} characters")
+        return value
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

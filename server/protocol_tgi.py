@@ -26,7 +26,7 @@ class TgiParameters(StrictModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     return_full_text: bool | None = False
-    stop: list[str] | None = None
+    stop: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] | None = None
     seed: Seed | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None

@@ -147,7 +147,12 @@ async def collect_all(request: Request, runs: Sequence[SequenceRun]) -> list[Run
         for r in runs:
             r.abort("client")
 
-    return await until_disconnect(request, asyncio.gather(*(r.collect() for r in runs)), abort_all)
+    try:
+        return await until_disconnect(request, asyncio.gather(*(r.collect() for r in runs)), abort_all)
+    except BaseException:
+        for r in runs:  # one sequence failed: free the others' slots too, nobody reads them
+            r.abort("error")
+        raise
 
 
 async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect: Callable[[], object]) -> T:

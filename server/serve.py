@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any
 
 import uvicorn
@@ -20,6 +21,7 @@ from models.loading import resolve_model_path
 from server.config import ServerSettings
 from server.engine import Engine
 from server.engine_model import EngineModel
+from server.hooks import SafeHooks
 from server.metrics import Metrics
 
 log = logging.getLogger("bucketserve.serve")
@@ -35,7 +37,7 @@ def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = 
         info={"model": model.name, "dtype": settings.dtype, "device": settings.device,
               "compile_backend": settings.compile_backend},
     )
-    model.metrics = metrics
+    model.metrics = SafeHooks(metrics)
     if settings.lengths_file:
         from server.plan_command import padding_report, read_lengths_file
 
@@ -68,6 +70,12 @@ class DrainingServer(uvicorn.Server):
     def _finish_drain(self) -> None:
         idle = self.engine.wait_idle(self.drain_timeout)
         log.info("drain %s; shutting down", "complete" if idle else "timed out, aborting the rest")
+        if not idle:
+            # End what is left with a final event (finish_reason "abort") while clients still read,
+            # then give the handlers a moment to write it before uvicorn closes the connections.
+            self.engine.abort_all("drain", "the server is shutting down")
+            self.engine.wait_idle(2.0)
+            time.sleep(0.5)
         self.should_exit = True
 
 

@@ -98,3 +98,18 @@ def test_unwarmed_shape_fails_closed_or_counts_when_allowed(tiny_llama: str) -> 
     allowed.prefill([PrefillRow(0, [5])], 8, 1)
     serving = [r for r in allowed.accountant.records if r.phase == "serving"]
     assert [r.key for r in serving] == [GraphKey("prefill", 1, 8)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("freezing", [False, True])
+def test_inductor_greedy_matches_generate(tiny_llama: str, freezing: bool) -> None:
+    """The real compiled path (inductor, C++ codegen): slow, so only in `make test-slow`."""
+    table = BucketTable(lengths=(8,), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=24)
+    model = load_model(tiny_llama, "float32", "cpu")
+    runner = ModelRunner(model, table, CompileSettings(backend="inductor", inductor_freezing=freezing))
+    runner.warmup()
+    for n in (1, 7, 8):
+        ids = random.Random(n).choices(range(5, 400), k=n)
+        got = generate_one(runner, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), 8)
+        assert got.token_ids == reference(model, ids, 12)
+    assert runner.accountant.count("warmup") == table.num_graphs and runner.accountant.count("serving") == 0

@@ -46,3 +46,9 @@ def test_invalid_params_name_the_field(field: str, value: float) -> None:
     with pytest.raises(SamplingError) as err:
         SamplingParams(**{field: value})
     assert err.value.param == field
+
+
+def test_vanishing_temperature_is_greedy_not_nan() -> None:
+    row = torch.tensor([0.0, 50.0, 49.0])
+    assert Sampler(SamplingParams(temperature=1e-40, seed=1), []).sample(row).token_id == 1
+    assert Sampler(SamplingParams(temperature=1e-4, seed=1), []).sample(row * 1e6).token_id == 1

@@ -90,8 +90,9 @@ def test_sigterm_drains_in_flight_streams_refuses_new_and_exits_zero(tiny_llama:
         threads = [threading.Thread(target=stream_completion, args=(server.url, 120, results)) for _ in range(8)]
         for t in threads:
             t.start()
-        while server.metric("bucketserve_requests_running") < 1:
-            time.sleep(0.01)
+        # SIGTERM once all 8 are admitted (a request that arrives after it is refused, by design).
+        while server.metric("bucketserve_bucket_requests_total") < 8:
+            time.sleep(0.005)
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         refused = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2})

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from server.config import ServerSettings, SettingsError, add_server_arguments, settings_from_args
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> ServerSettings:
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    return settings_from_args(parser.parse_args(argv), environ=env or {})
+
+
+def test_flags_win_over_environment_and_defaults() -> None:
+    s = parse(["--max-model-len", "512"], {"BUCKETSERVE_MAX_MODEL_LEN": "1024", "BUCKETSERVE_DTYPE": "bfloat16",
+                                          "BUCKETSERVE_BUCKETS": "64,128"})
+    assert s.max_model_len == 512 and s.dtype == "bfloat16" and s.buckets == (64, 128)
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--api-key", ""], {}, "must not be empty"),
+    ([], {"BUCKETSERVE_API_KEY": ""}, "must not be empty"),
+    (["--port", "0"], {}, "port"),
+    ([], {"BUCKETSERVE_MAX_MODEL_LEN": "many"}, "BUCKETSERVE_MAX_MODEL_LEN"),
+    (["--compile-backend", "neuron"], {}, "needs device 'neuron'"),
+])
+def test_bad_settings_are_refused_with_the_setting_named(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        parse(argv, env)
+
+
+def test_bucket_table_never_exceeds_the_model_or_max_model_len() -> None:
+    assert ServerSettings(max_model_len=4096).bucket_table(1024).context_length == 1024
+    assert ServerSettings(buckets=(64, 256), max_model_len=512).bucket_table(8192).context_length == 512
+    with pytest.raises(SettingsError, match="larger|smaller|exceeds"):
+        ServerSettings(buckets=(64, 4096), max_model_len=512).bucket_table(8192)
