@@ -38,7 +38,7 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m pip install -q -e ".[bench]"
-	$(BIN)/bucketserve bench --compare bucketserve,transformers --model default --concurrency 1,4,16 \
+	$(BIN)/bucketserve bench --compare bucketserve,bucketserve-static,transformers --model default --concurrency 1,4,16 \
 	  --num-requests 32 --prompt-len lognormal:median=128,sigma=0.6 --max-prompt-len 512 \
 	  --output-len fixed:32 --max-seconds-per-level 100
 
