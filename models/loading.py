@@ -34,7 +34,7 @@ class ModelLoadError(RuntimeError):
 @dataclass(frozen=True)
 class LoadedModel:
     model: torch.nn.Module
-    tokenizer: object  # transformers PreTrainedTokenizerBase
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
     path: str
     name: str
     max_position_embeddings: int
@@ -101,7 +101,7 @@ def model_display_name(path: str) -> str:
     return Path(path).name if os.path.isdir(path) else path
 
 
-def load_tokenizer(path: str) -> object:
+def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     try:

@@ -24,6 +24,7 @@ from server.engine_types import (
     DrainingError,
     EngineDeadError,
     EngineNotReadyError,
+    InvalidTokenError,
     QueueFullError,
     RequestHandle,
     TokenEvent,
@@ -35,6 +36,7 @@ __all__ = [
     "Engine",
     "EngineDeadError",
     "EngineNotReadyError",
+    "InvalidTokenError",
     "PromptTooLongError",
     "QueueFullError",
     "RequestHandle",
@@ -149,6 +151,10 @@ class Engine:
 
     # -- requests (event-loop side) --------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        limit = self.model.vocab_limit
+        for token in prompt_ids:
+            if not 0 <= token < limit:
+                raise InvalidTokenError(token, limit)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         seq = Sequence(rid, len(prompt_ids), params.max_tokens, stop_ids)

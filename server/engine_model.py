@@ -60,6 +60,9 @@ class EngineModel:
         self.table = table or settings.bucket_table(max_positions(self.config))
         self.name = settings.served_model_name or model_display_name(model_path)
         self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
+        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        # Rows of the embedding table: an id past it would fail the whole step it is batched into.
+        self.vocab_limit = int(getattr(text_config, "vocab_size", 0) or len(self.tokenizer))
         self.progress = WarmupCounter(self.table.num_graphs)
         self.runner: ModelRunner | None = None
         self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused)

@@ -32,6 +32,15 @@ class DrainingError(RuntimeError):
         super().__init__("the server is draining and accepts no new requests")
 
 
+class InvalidTokenError(ValueError):
+    """400: a prompt token id the model's embedding table does not have."""
+
+    def __init__(self, token_id: int, limit: int) -> None:
+        self.token_id = token_id
+        self.limit = limit
+        super().__init__(f"token id {token_id} is outside the model's vocabulary [0, {limit})")
+
+
 class EngineDeadError(RuntimeError):
     """503: the engine thread has stopped; /health fails too."""
 

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from buckets import BucketError, PromptTooLongError
 from models.sampling import SamplingError
-from server.engine import DrainingError, EngineDeadError, EngineNotReadyError, QueueFullError
+from server.engine import DrainingError, EngineDeadError, EngineNotReadyError, InvalidTokenError, QueueFullError
 
 log = logging.getLogger("bucketserve.http")
 
@@ -30,6 +30,7 @@ UNAVAILABLE = "service_unavailable_error"
 ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
     PromptTooLongError: (400, INVALID, "context_length_exceeded"),
     SamplingError: (400, INVALID, "invalid_parameter"),
+    InvalidTokenError: (400, INVALID, "invalid_parameter"),
     BucketError: (400, INVALID, "invalid_parameter"),  # e.g. a chat template that renders no tokens
     QueueFullError: (429, "rate_limit_error", "queue_full"),
     EngineNotReadyError: (503, UNAVAILABLE, "not_ready"),

@@ -172,3 +172,19 @@ def test_seeded_sampling_is_reproducible_through_the_engine(tmp_path) -> None:
 
     a, b, c = asyncio.run(main())
     assert a == b and a != c
+
+
+def test_token_ids_outside_the_embedding_table_are_refused(tmp_path) -> None:
+    from server.engine import InvalidTokenError
+
+    async def main() -> None:
+        engine = await started(tiny_engine(tmp_path))
+        try:
+            with pytest.raises(InvalidTokenError):
+                engine.submit([5, engine.model.vocab_limit], SamplingParams(max_tokens=2))
+            tokens, reason = await collect(engine.submit([5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))
+            assert len(tokens) == 2 and reason == "length"
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
