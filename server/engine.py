@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from buckets import PromptTooLongError
@@ -20,6 +19,7 @@ from buckets.scheduler import DecodeStep, PrefillStep, QueueFullError as _Schedu
 from models.sampling import SampledToken, SamplingParams
 from server.engine_model import CacheMissingError, EngineModel
 from server.hooks import SafeHooks
+from server.request_record import ActiveRequest
 from server.engine_types import (
     DrainingError,
     EngineDeadError,
@@ -29,6 +29,7 @@ from server.engine_types import (
     RequestHandle,
     TokenEvent,
     WarmupProgress,
+    deliver_step,
 )
 
 __all__ = [
@@ -45,23 +46,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("bucketserve.engine")
-request_log = logging.getLogger("bucketserve.requests")
-
-
-@dataclass
-class _Active:
-    """Engine-side state of one request (owned by the engine thread after admission)."""
-
-    handle: RequestHandle
-    seq: Sequence
-    sampler: Any
-    prompt_ids: list[int]
-    arrival: float
-    deadline: float
-    started: bool = False
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
-    gaps: list[float] = field(default_factory=list)  # inter-token latencies, observed at the end
 
 
 class Engine:
@@ -79,7 +63,7 @@ class Engine:
         self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens, batching)
         self._lock = threading.Lock()  # guards the scheduler and _active between the loop and the thread
         self._wake = threading.Condition(self._lock)
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, ActiveRequest] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
@@ -176,7 +160,7 @@ class Engine:
                 raise QueueFullError(exc.reason, self.retry_after()) from exc
             handle = RequestHandle(rid, len(prompt_ids), seq.bucket, seq.bucket - len(prompt_ids), loop, self.abort)
             deadline = now + self.request_timeout if self.request_timeout > 0 else float("inf")
-            self._active[rid] = _Active(handle, seq, self.model.sampler(params, prompt_ids), prompt_ids, now, deadline)
+            self._active[rid] = ActiveRequest(handle, seq, self.model.sampler(params, prompt_ids), prompt_ids, now, deadline)
             self._wake.notify_all()
         return handle
 
@@ -263,7 +247,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
                 self._finish_error(seq.request_id, f"sampling failed: {exc}")
         now = time.monotonic()
-        out: list[tuple[_Active, TokenEvent]] = []
+        out: list[tuple[ActiveRequest, TokenEvent]] = []
         with self._lock:
             live = {rid: tok for rid, tok in sampled.items() if rid in self._active}
             finished = {s.request_id: s.finish_reason for s in
@@ -272,25 +256,17 @@ class Engine:
                 reason = finished.get(rid)
                 active = self._active.pop(rid) if reason is not None else self._active[rid]
                 out.append((active, TokenEvent(tok.token_id, tok.logprob, tok.top_logprobs, reason)))
-        _deliver([(active.handle, [event]) for active, event in out])
+        deliver_step([(active.handle, [event]) for active, event in out])
         for active, event in out:
             self._account_token(active, now, event.finish_reason)
         self._publish_load()
 
-    # -- bookkeeping (engine thread, lock held) ------------------------------------------------------------
-    def _account_token(self, active: _Active, now: float, reason: str | None) -> None:
-        if active.first_token_at == 0.0:
-            active.first_token_at = now
-            self.metrics.first_token(active.seq.bucket, now - active.arrival)
-        else:
-            active.gaps.append(now - active.last_token_at)
-        active.last_token_at = now
+    # -- bookkeeping -----------------------------------------------------------------------------------
+    def _account_token(self, active: ActiveRequest, now: float, reason: str | None) -> None:
+        active.on_token(now, reason, self.metrics, self.tokenizer if self.log_prompts else None)
         if reason is not None:
-            self._log_request(active, reason, now)
             self._finished_times.append(now)
             del self._finished_times[:-256]
-            n = active.seq.num_generated
-            self.metrics.request_finished(active.seq.bucket, now - active.arrival, n, active.gaps, reason)
 
     def _finish_error(self, request_id: str, message: str) -> None:
         with self._lock:
@@ -300,31 +276,8 @@ class Engine:
             active.handle.push([TokenEvent(None, None, (), "error", message)])
             self._account_end(active, "error", "error")
 
-    def _log_request(self, active: _Active, status: str, now: float) -> None:
-        """One line per request at completion; never the prompt text unless --log-prompts."""
-        seq = active.seq
-        ttft = round(active.first_token_at - active.arrival, 4) if active.first_token_at else None
-        fields: dict[str, Any] = {"request_id": active.handle.request_id, "bucket": seq.bucket,
-                                  "prompt_tokens": seq.prompt_len, "output_tokens": seq.num_generated,
-                                  "ttft_s": ttft, "duration_s": round(now - active.arrival, 4), "status": status}
-        if self.log_prompts:
-            fields["prompt"] = self.tokenizer.decode(active.prompt_ids)
-        try:
-            request_log.info("request %s bucket=%d prompt=%d output=%d ttft=%s duration=%.3fs status=%s",
-                             fields["request_id"], seq.bucket, seq.prompt_len, seq.num_generated, ttft,
-                             fields["duration_s"], status, extra=fields)
-        except Exception:  # noqa: BLE001 - a log handler must not break a request
-            pass
-
-    def _account_end(self, active: _Active, abort_reason: str, finish_reason: str) -> None:
-        """Log and metrics for a request that ended without a final token (abort, timeout, error, stop string)."""
-        self._log_request(active, abort_reason if finish_reason == "abort" else finish_reason, time.monotonic())
-        if abort_reason != "stop_string":
-            self.metrics.request_aborted(abort_reason)
-        if active.started:
-            now = time.monotonic()
-            n = active.seq.num_generated
-            self.metrics.request_finished(active.seq.bucket, now - active.arrival, n, active.gaps, finish_reason)
+    def _account_end(self, active: ActiveRequest, abort_reason: str, finish_reason: str) -> None:
+        active.on_end(abort_reason, finish_reason, self.metrics, self.tokenizer if self.log_prompts else None)
 
     def _expire_deadlines(self) -> list[str]:
         """Lock held: the requests past their deadline (aborted by the caller, outside the lock)."""
@@ -344,21 +297,3 @@ class Engine:
         free = self.table.max_batch - self._scheduler.num_running
         self.metrics.set_load(self._scheduler.num_running, self._scheduler.num_waiting, free)
 
-
-def _deliver(batches: list[tuple[RequestHandle, list[TokenEvent]]]) -> None:
-    """One hop to the event loop for a whole step (not one per request or token)."""
-    if not batches:
-        return
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[TokenEvent]]]] = {}
-    for handle, events in batches:
-        by_loop.setdefault(handle.loop, []).append((handle, events))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_deliver_now, items)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is listening any more
-
-
-def _deliver_now(items: list[tuple[RequestHandle, list[TokenEvent]]]) -> None:
-    for handle, events in items:
-        handle.deliver(events)

@@ -102,3 +102,20 @@ class RequestHandle:
             if event.finish_reason is not None:
                 self._done = True
             yield event
+
+
+def deliver_step(batches: list[tuple[RequestHandle, list[TokenEvent]]]) -> None:
+    """From the engine thread: one hop to the event loop for a whole step (not one per request or token)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[TokenEvent]]]] = {}
+    for handle, events in batches:
+        by_loop.setdefault(handle.loop, []).append((handle, events))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver_now, items)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+
+def _deliver_now(items: list[tuple[RequestHandle, list[TokenEvent]]]) -> None:
+    for handle, events in items:
+        handle.deliver(events)
