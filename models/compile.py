@@ -75,11 +75,15 @@ class CompileAccountant:
     records: list[CompileRecord] = field(default_factory=list)
     phase: CompilePhase = "warmup"
     current_key: Any = None
+    # For backends with no cache counters (TorchNeuron): a compile that adds no file to this directory was
+    # served from its cache. "" -> no probe.
+    probe_dir: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             hits, misses = _cache_counters()
+            files = _count_files(self.probe_dir)
             start = time.perf_counter()
             compiled = inner(gm, example_inputs)
             seconds = time.perf_counter() - start
@@ -87,6 +91,8 @@ class CompileAccountant:
             hit = None
             if new_hits > hits or new_misses > misses:
                 hit = new_misses == misses
+            elif self.probe_dir:
+                hit = _count_files(self.probe_dir) == files
             self.record(seconds, hit)
             return compiled
 
@@ -109,6 +115,10 @@ class CompileAccountant:
     def count(self, phase: CompilePhase | None = None) -> int:
         with self._lock:
             return sum(1 for r in self.records if phase is None or r.phase == phase)
+
+
+def _count_files(root: str) -> int:
+    return sum(len(names) for _, _, names in os.walk(root)) if root else 0
 
 
 def configure_compiler(settings: CompileSettings, num_graphs: int) -> None:

@@ -40,11 +40,13 @@ class LoadedModel:
     max_position_embeddings: int
 
 
+def cache_root() -> Path:
+    """bucketserve's cache directory: converted models and compiled graphs live below it."""
+    return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "bucketserve"
+
+
 def default_cache_dir() -> Path:
-    root = os.environ.get("BUCKETSERVE_MODEL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "bucketserve", "models"
-    )
-    return Path(root)
+    return cache_root() / "models"
 
 
 def find_default_gguf() -> Path:

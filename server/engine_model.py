@@ -7,17 +7,19 @@ compilation) runs in `load_and_warm`, on the engine thread, so the HTTP port is 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from buckets import BucketTable, GraphKey
 from buckets.scheduler import DecodeStep, PrefillStep
-from models.compile import CompileAccountant, CompileRecord, CompileSettings
-from models.loading import load_model, load_tokenizer, max_positions, model_display_name
+from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key
+from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
 from models.runner import ModelRunner, PrefillRow
 from models.sampling import Sampler, SamplingParams
 from server.config import ServerSettings
@@ -112,25 +114,18 @@ class EngineModel:
 
     def compile_cache_dir(self) -> str:
         """The keyed subdirectory of --compile-cache-dir for this model, dtype, device, buckets and versions."""
-        import os
-        from pathlib import Path
-
         root = self.settings.compile_cache_dir
         if root in ("", "none"):
             return ""
         if root == "auto":
-            cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-            root = os.path.join(cache_home, "bucketserve", "compile")
-
-        from models.compile import cache_key
-
-        weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in Path(self.path).glob("*.safetensors")) \
-            if os.path.isdir(self.path) else []
-        parts = {"model": os.path.abspath(self.path) if os.path.isdir(self.path) else self.path, "weights": weights,
+            root = str(cache_root() / "compile")
+        local = os.path.isdir(self.path)
+        weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime))
+                         for p in Path(self.path).glob("*.safetensors")) if local else []
+        parts = {"model": os.path.abspath(self.path) if local else self.path, "weights": weights,
                  "dtype": self.settings.dtype, "device": self.settings.device,
                  "backend": self.settings.compile_backend, "freezing": self.settings.inductor_freezing,
-                 "buckets": self.table.to_dict(),
-                 "threads": torch.get_num_threads()}
+                 "buckets": self.table.to_dict(), "threads": torch.get_num_threads()}
         return os.path.join(root, cache_key(parts))
 
     def run_step(self, step: PrefillStep | DecodeStep, prompt_of: Callable[[str], list[int]]) -> torch.Tensor:

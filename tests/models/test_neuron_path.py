@@ -34,6 +34,13 @@ def fake_torch_neuronx(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         assert all(not isinstance(d, torch.SymInt) for t in example_inputs if isinstance(t, torch.Tensor)
                    for d in t.shape), "dynamic shapes reached the neuron backend"
         graphs.append(len(gm.graph.nodes))
+        # Like TorchNeuron's NEFF cache: a graph seen before is loaded, a new one is written to the cache.
+        cache = os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
+        if cache:
+            neff = os.path.join(cache, f"{hash(gm.code)}.neff")
+            os.makedirs(cache, exist_ok=True)
+            if not os.path.exists(neff):
+                open(neff, "w").close()
         return lookup_backend("eager")(gm, example_inputs)
 
     module = types.ModuleType("torch_neuronx")
@@ -57,6 +64,11 @@ def test_neuron_backend_compiles_every_bucket_once(tiny_llama: str, fake_torch_n
     result = generate_one(runner, [5, 6, 7], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), 8)
     assert len(result.token_ids) == 5
     assert runner.accountant.count("serving") == 0 and len(fake_torch_neuronx) == table.num_graphs
+    # Every graph wrote a NEFF: misses. A second runner (as after a restart) finds them all: hits.
+    assert [r.cache_hit for r in runner.accountant.records] == [False] * table.num_graphs
+    again = ModelRunner(model, table, settings)
+    again.warmup()
+    assert [r.cache_hit for r in again.accountant.records] == [True] * table.num_graphs
 
 
 def test_neuron_backend_without_torch_neuronx_is_a_clear_error(tiny_llama: str,
