@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from typing import Any
 
 from buckets import PromptTooLongError
@@ -69,7 +70,7 @@ class Engine:
         self._draining = False
         self._failed: str | None = None
         self._not_ready: str | None = None
-        self._finished_times: list[float] = []
+        self._finished_times: deque[float] = deque(maxlen=256)  # completion times, for Retry-After
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -266,7 +267,6 @@ class Engine:
         active.on_token(now, reason, self.metrics, self.tokenizer if self.log_prompts else None)
         if reason is not None:
             self._finished_times.append(now)
-            del self._finished_times[:-256]
 
     def _finish_error(self, request_id: str, message: str) -> None:
         with self._lock:
