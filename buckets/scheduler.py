@@ -7,8 +7,8 @@
 Policy: first come, first served. A waiting request is prefilled (padded to its length bucket, together with
 later waiting requests of the same bucket when prefill batch buckets allow) into the lowest free slots, then
 joins the running decode batch at the next step. Prefill and decode alternate while both have work, so neither
-starves. A decode step runs the smallest batch bucket that covers the highest busy slot; slots are handed out
-lowest first to keep that bucket small. Finished or aborted sequences free their slot at once.
+starves. A decode step runs the smallest batch bucket that covers the highest busy slot (slots are handed out
+lowest first to keep that bucket small) and the smallest KV-length bucket that covers the longest live row. Finished or aborted sequences free their slot at once.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class PrefillStep:
 @dataclass(frozen=True)
 class DecodeStep:
     batch: int  # decode batch bucket; rows are slots [0, batch)
+    kv: int  # KV-length bucket: attention reads positions [0, kv) of each slot
     seqs: tuple[Sequence, ...]
 
     @property
@@ -128,7 +129,8 @@ class Scheduler:
         self._last_was_prefill = False
         if self.running:
             batch = self.table.batch_for(max(self.running) + 1)
-            return DecodeStep(batch, tuple(self.running[s] for s in sorted(self.running)))
+            kv = self.table.kv_for(max(seq.position for seq in self.running.values()) + 1)
+            return DecodeStep(batch, kv, tuple(self.running[s] for s in sorted(self.running)))
         return None
 
     def update(self, step: Step, sampled: dict[str, int]) -> list[Sequence]:

@@ -39,8 +39,8 @@ class BatchTooLargeError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class GraphKey:
-    """Identifies one compiled graph. Decode graphs attend over the whole context, so `length` is the
-    context length for them; prefill graphs are keyed by (rows, length bucket)."""
+    """Identifies one compiled graph: prefill graphs by (rows, length bucket), decode graphs by
+    (rows, KV-length bucket): a decode graph attends over the first `length` positions of each slot."""
 
     phase: Phase
     batch: int
@@ -50,7 +50,7 @@ class GraphKey:
     def bucket(self) -> str:
         """Bounded metric label for the bucket this graph serves."""
         if self.phase == "decode":
-            return f"b{self.batch}"
+            return f"b{self.batch}_kv{self.length}"
         return f"b{self.batch}_l{self.length}"
 
     def __str__(self) -> str:
@@ -85,13 +85,17 @@ def powers_of_two(start: int, stop: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class BucketTable:
-    """Sorted prompt-length buckets, decode batch buckets and prefill batch buckets, plus the static
-    context length of the KV cache (every slot holds up to `context_length` tokens)."""
+    """Sorted prompt-length buckets, decode batch buckets, prefill batch buckets and decode KV-length
+    buckets, plus the static context length of the KV cache (every slot holds up to `context_length` tokens).
+
+    A decode step runs the smallest KV bucket covering the longest live row (its position + 1): attention
+    then reads only that prefix of each slot, so a step costs what the sequences hold, not the context."""
 
     lengths: tuple[int, ...]
     batch_sizes: tuple[int, ...] = (1,)
     prefill_batch_sizes: tuple[int, ...] = (1,)
     context_length: int = 0  # 0: the largest length bucket
+    kv_lengths: tuple[int, ...] = ()  # (): default_kv_lengths(context_length); the last is the context
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", tuple(self.lengths))
@@ -113,6 +117,14 @@ class BucketTable:
             raise BucketError(
                 f"context_length {self.context_length} is smaller than the largest length bucket "
                 f"{self.lengths[-1]}"
+            )
+        kv = tuple(self.kv_lengths) or default_kv_lengths(self.context_length)
+        object.__setattr__(self, "kv_lengths", kv)
+        _validate_sizes("kv_lengths", kv)
+        if kv[-1] != self.context_length:
+            raise BucketError(
+                f"kv_lengths {list(kv)} must end at the context length {self.context_length} "
+                "(every live sequence needs a decode graph)"
             )
 
     # -- routing -------------------------------------------------------------------------------
@@ -141,6 +153,13 @@ class BucketTable:
         """Smallest prefill batch bucket holding `rows` rows."""
         return _smallest_at_least(self.prefill_batch_sizes, rows)
 
+    def kv_for(self, positions: int) -> int:
+        """Smallest KV-length bucket holding `positions` cache positions (the longest row's position + 1)."""
+        for kv in self.kv_lengths:
+            if kv >= positions >= 1:
+                return kv
+        raise BucketError(f"{positions} cache positions are outside 1..{self.context_length}")
+
     def check_request(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Validate one request against the table; returns its length bucket."""
         bucket = self.length_for(prompt_tokens)
@@ -150,21 +169,18 @@ class BucketTable:
 
     # -- graphs ------------------------------------------------------------------------------------
     def graph_keys(self) -> Iterator[GraphKey]:
-        """Every graph, in the fixed warm-up order: decode graphs first (smallest batch first, they are
-        the most used), then prefill graphs by length, then rows."""
+        """Every graph, in the fixed warm-up order: decode graphs first (smallest batch, then shortest KV
+        first: they are the most used), then prefill graphs by length, then rows."""
         for b in self.batch_sizes:
-            yield GraphKey("decode", b, self.context_length)
+            for kv in self.kv_lengths:
+                yield GraphKey("decode", b, kv)
         for length in self.lengths:
             for p in self.prefill_batch_sizes:
                 yield GraphKey("prefill", p, length)
 
     @property
     def num_graphs(self) -> int:
-        return len(self.batch_sizes) + len(self.lengths) * len(self.prefill_batch_sizes)
-
-    def padding(self, prompt_tokens: int) -> int:
-        """Pad tokens computed for one prompt routed through this table."""
-        return self.length_for(prompt_tokens) - prompt_tokens
+        return len(self.batch_sizes) * len(self.kv_lengths) + len(self.lengths) * len(self.prefill_batch_sizes)
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -176,6 +192,7 @@ class BucketTable:
         min_length: int = 64,
         batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
         prefill_batch_sizes: tuple[int, ...] = (1,),
+        kv_lengths: tuple[int, ...] = (),
     ) -> BucketTable:
         """Powers of two from `min_length` up to the smaller of the model's context and `max_length`."""
         limit = model_max_length if max_length is None else min(model_max_length, max_length)
@@ -184,6 +201,7 @@ class BucketTable:
             batch_sizes=batch_sizes,
             prefill_batch_sizes=prefill_batch_sizes,
             context_length=limit,
+            kv_lengths=kv_lengths,
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -192,11 +210,12 @@ class BucketTable:
             "batch_sizes": list(self.batch_sizes),
             "prefill_batch_sizes": list(self.prefill_batch_sizes),
             "context_length": self.context_length,
+            "kv_lengths": list(self.kv_lengths),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> BucketTable:
-        unknown = set(data) - {"lengths", "batch_sizes", "prefill_batch_sizes", "context_length"}
+        unknown = set(data) - {"lengths", "batch_sizes", "prefill_batch_sizes", "context_length", "kv_lengths"}
         if unknown:
             raise BucketError(f"unknown bucket fields: {sorted(unknown)}")
         if "lengths" not in data:
@@ -216,6 +235,7 @@ class BucketTable:
             batch_sizes=ints("batch_sizes", (1,)),
             prefill_batch_sizes=ints("prefill_batch_sizes", (1,)),
             context_length=context,
+            kv_lengths=ints("kv_lengths", ()),
         )
 
     def save(self, path: str | Path) -> None:
@@ -230,6 +250,21 @@ class BucketTable:
         if not isinstance(data, dict):
             raise BucketError(f"{path}: expected a JSON object with 'lengths'")
         return cls.from_dict(data)
+
+
+# Shortest default KV bucket: below it a decode step is dominated by reading the weights, not the cache.
+MIN_KV_LENGTH = 256
+
+
+def default_kv_lengths(context_length: int) -> tuple[int, ...]:
+    """KV-length buckets when none are given: every fourth power of two from MIN_KV_LENGTH (x4 steps
+    keep the graph count low; measured in docs/performance.md), closed by the context length."""
+    sizes: list[int] = []
+    v = MIN_KV_LENGTH
+    while v < context_length:
+        sizes.append(v)
+        v *= 4
+    return (*sizes, context_length)
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:

@@ -20,12 +20,12 @@ def sliding_window(config: Any) -> int | None:
 
 
 def decode_mask(
-    pos: torch.Tensor, context_length: int, dtype: torch.dtype, layer_types: list[str], window: int | None
+    pos: torch.Tensor, kv_length: int, dtype: torch.dtype, layer_types: list[str], window: int | None
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """pos: [b] long, the position each slot's new token is written to.
-    Returns an additive float mask [b, 1, 1, C] (0 = attend, finfo.min = masked); finfo.min rather than
+    """pos: [b] long, the position each slot's new token is written to (< kv_length).
+    Returns an additive float mask [b, 1, 1, K] (0 = attend, finfo.min = masked); finfo.min rather than
     -inf so that no row can turn into NaN. For mixed full/sliding models: a dict by layer type."""
-    kv = torch.arange(context_length, device=pos.device).view(1, context_length)
+    kv = torch.arange(kv_length, device=pos.device).view(1, kv_length)
     q = pos.view(-1, 1)
     masked_value = torch.finfo(dtype).min
     zero = torch.zeros((), dtype=dtype, device=pos.device)
@@ -35,7 +35,7 @@ def decode_mask(
         allowed = kv <= q
         if kind == "sliding_attention" and window is not None:
             allowed = allowed & (kv > q - window)
-        masks[kind] = torch.where(allowed, zero, low).view(-1, 1, 1, context_length)
+        masks[kind] = torch.where(allowed, zero, low).view(-1, 1, 1, kv_length)
     if len(masks) == 1:
         return next(iter(masks.values()))
     return masks

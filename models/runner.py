@@ -40,6 +40,10 @@ class ShapeTable(Protocol):
     def prefill_batch_sizes(self) -> tuple[int, ...]: ...
     @property
     def context_length(self) -> int: ...
+    @property
+    def kv_lengths(self) -> tuple[int, ...]: ...
+
+    def kv_for(self, positions: int) -> int: ...
 
     def graph_keys(self) -> Iterable[Any]: ...
 
@@ -65,15 +69,13 @@ def _prefill_step(
     return out.logits[:, 0]
 
 
-def _make_decode_step(
-    context_length: int, dtype: torch.dtype, kinds: list[str], window: int | None
-) -> Callable[..., torch.Tensor]:
+def _make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None) -> Callable[..., torch.Tensor]:
     def _decode_step(
         model: torch.nn.Module, cache: DecodeCache, input_ids: torch.Tensor, pos: torch.Tensor
     ) -> torch.Tensor:
-        """input_ids: [b, 1]; pos: [b] per-slot write positions. Returns logits [b, V]."""
+        """input_ids: [b, 1]; pos: [b] per-slot write positions (< cache.kv_length). Returns logits [b, V]."""
         cache.write_pos.copy_(pos)
-        mask = decode_mask(pos, context_length, dtype, kinds, window)
+        mask = decode_mask(pos, cache.kv_length, dtype, kinds, window)
         out = model(input_ids=input_ids, position_ids=pos.view(-1, 1), attention_mask=mask, cache=cache, use_cache=True)
         return out.logits[:, -1]
 
@@ -117,13 +119,13 @@ class ModelRunner:
         self._known = {(k.phase, k.batch, k.length): k for k in self.keys}
         self.warmed: set[tuple[str, int, int]] = set()
         self.is_serving = False
-        self._decode_caches = {b: self.storage.decode_cache(b) for b in table.batch_sizes}
+        self._decode_caches = {
+            (b, kv): self.storage.decode_cache(b, kv) for b in table.batch_sizes for kv in table.kv_lengths
+        }
         self._prefill_caches = {
             (p, n): self.storage.prefill_cache(p, n) for p in table.prefill_batch_sizes for n in table.lengths
         }
-        decode = _make_decode_step(
-            table.context_length, self.dtype, self.storage.layer_types, sliding_window(model.config)
-        )
+        decode = _make_decode_step(self.dtype, self.storage.layer_types, sliding_window(model.config))
         if compile_settings.compiles:
             configure_compiler(compile_settings, len(self.keys))
             if compile_settings.backend == "neuron" and compile_settings.cache_dir:
@@ -152,7 +154,8 @@ class ModelRunner:
         for done, key in enumerate(todo, 1):
             t0 = time.perf_counter()
             if key.phase == "decode":
-                self._run_decode(key.batch, torch.zeros(key.batch, dtype=torch.long), torch.zeros(key.batch, dtype=torch.long))
+                zeros = torch.zeros(key.batch, dtype=torch.long)
+                self._run_decode(key.batch, key.length, zeros, zeros)
             else:
                 self._run_prefill(key.batch, key.length, [PrefillRow(0, [0])] * key.batch, commit=False)
             self.warmed.add((key.phase, key.batch, key.length))
@@ -178,10 +181,12 @@ class ModelRunner:
         """Prefill `rows` (<= batch, each <= length tokens) into their slots; logits [len(rows), V]."""
         return self._run_prefill(batch, length, rows, commit=True)[: len(rows)]
 
-    def decode(self, batch: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, positions: [batch] (row i = slot i; free slots carry token 0 at position 0).
-        Returns logits [batch, V]."""
-        return self._run_decode(batch, tokens, positions)
+    def decode(self, batch: int, tokens: torch.Tensor, positions: torch.Tensor, kv: int | None = None) -> torch.Tensor:
+        """tokens, positions: [batch] host tensors (row i = slot i; free slots carry token 0 at position 0).
+        `kv`: the KV-length bucket (None: the smallest covering max(positions) + 1). Returns logits [batch, V]."""
+        if kv is None:
+            kv = self.table.kv_for(int(positions.max()) + 1)
+        return self._run_decode(batch, kv, tokens, positions)
 
     def _check(self, phase: str, batch: int, length: int) -> Any:
         key = self._known.get((phase, batch, length))
@@ -205,11 +210,11 @@ class ModelRunner:
                 raise RecompileError(f"graph {key} would recompile after warm-up: {exc}") from exc
             raise
 
-    def _run_decode(self, batch: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        key = self._check("decode", batch, self.table.context_length)
+    def _run_decode(self, batch: int, kv: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        key = self._check("decode", batch, kv)
         ids = tokens.view(batch, 1).to(self.device)
         pos = positions.to(self.device)
-        return self._call(self._decode_fn, key, self._decode_caches[batch], ids, pos)
+        return self._call(self._decode_fn, key, self._decode_caches[(batch, kv)], ids, pos)
 
     def _run_prefill(self, batch: int, length: int, rows: list[PrefillRow], *, commit: bool) -> torch.Tensor:
         key = self._check("prefill", batch, length)

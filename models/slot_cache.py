@@ -4,15 +4,16 @@ transformers' StaticLayer writes every row at one shared offset; continuous batc
 its own position. So we keep our own storage and hand the stock models two thin `Cache` containers
 (transformers calls `cache.update(k, v, layer_idx, ...)` generically, so no model class changes):
 
-- `DecodeCache` (one per decode batch bucket b): layers whose K/V are the contiguous prefix views
-  `storage[:b]` of every layer's (max_slots, H, C, D) tensor; `update` scatters the one new token of
-  row i at `write_pos[i]` and returns the whole static K/V. The caller passes a per-row 4-D mask.
+- `DecodeCache` (one per decode batch bucket b and KV-length bucket K): layers over the contiguous prefix
+  views `storage[:b]` of every layer's (max_slots, H, C, D) tensor; `update` writes the one new token of
+  row i at `write_pos[i]` (< K) and returns the views `storage[:b, :, :K]`, so attention reads only the
+  first K positions of each slot. The caller passes a per-row 4-D mask of width K.
 - `PrefillCache` (one per (rows P, length bucket L)): layers that copy the new K/V into a scratch
   buffer of shape (P, H, L, D) and return them unchanged (a new request has no past, so plain causal
   attention over L tokens). `commit` then copies each row's scratch into its slot, eagerly.
 
-Every tensor a graph sees is a prefix view of a preallocated buffer (offset 0, contiguous), so graphs are
-keyed by shape only, and inductor updates the buffers in place instead of copying whole caches.
+Every tensor a graph sees is a prefix view of a preallocated buffer (offset 0, fixed strides), so graphs
+are keyed by shape only, and inductor updates the buffers in place instead of copying whole caches.
 """
 
 from __future__ import annotations
@@ -81,9 +82,13 @@ class _ViewLayer(CacheLayerMixin):
 
 
 class DecodeLayer(_ViewLayer):
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_pos: torch.Tensor) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_pos: torch.Tensor, kv_length: int) -> None:
         super().__init__(keys, values)
         self.write_pos = write_pos  # [b] long, shared by all layers of one DecodeCache
+        self.kv_length = kv_length
+        # [b, H, K, D] views (strided over the full context C): what attention reads.
+        self.k_read = keys[:, :, :kv_length]
+        self.v_read = values[:, :, :kv_length]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -97,10 +102,13 @@ class DecodeLayer(_ViewLayer):
         rows = rows.view(-1)
         self.k.view(b * h * context, d).index_copy_(0, rows, key_states.reshape(b * h, d))
         self.v.view(b * h * context, d).index_copy_(0, rows, value_states.reshape(b * h, d))
-        return self.k, self.v
+        return self.k_read, self.v_read
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return int(self.k.shape[2]), 0
+        return self.kv_length, 0
+
+    def get_max_length(self) -> int:
+        return self.kv_length
 
 
 class PrefillLayer(_ViewLayer):
@@ -117,9 +125,10 @@ class PrefillLayer(_ViewLayer):
 
 
 class DecodeCache(Cache):
-    def __init__(self, layers: list[DecodeLayer], write_pos: torch.Tensor) -> None:
+    def __init__(self, layers: list[DecodeLayer], write_pos: torch.Tensor, kv_length: int) -> None:
         super().__init__(layers=layers)  # type: ignore[arg-type]
         self.write_pos = write_pos
+        self.kv_length = kv_length  # a Python int: each (batch, KV) bucket is its own cache and graph
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0
@@ -161,11 +170,14 @@ class SlotStorage:
         for t in (*self.keys, *self.values, *self.scratch_keys, *self.scratch_values, self.write_pos):
             torch._dynamo.mark_static_address(t)
 
-    def decode_cache(self, batch: int) -> DecodeCache:
-        """Cache over slots [0, batch): decode runs the smallest batch bucket covering the highest busy slot."""
+    def decode_cache(self, batch: int, kv_length: int) -> DecodeCache:
+        """Cache over slots [0, batch), attending over positions [0, kv_length): decode runs the smallest
+        batch bucket covering the highest busy slot and the smallest KV bucket covering the longest row."""
+        if not 0 < kv_length <= self.context_length:
+            raise ValueError(f"KV length {kv_length} is outside 1..{self.context_length}")
         pos = self.write_pos[:batch]
-        layers = [DecodeLayer(k[:batch], v[:batch], pos) for k, v in zip(self.keys, self.values)]
-        return DecodeCache(layers, pos)
+        layers = [DecodeLayer(k[:batch], v[:batch], pos, kv_length) for k, v in zip(self.keys, self.values)]
+        return DecodeCache(layers, pos, kv_length)
 
     def prefill_cache(self, rows: int, length: int) -> PrefillCache:
         n = rows * self.num_kv_heads * length * self.head_dim
@@ -182,7 +194,3 @@ class SlotStorage:
             for row, (slot, n) in enumerate(zip(slots, lengths)):
                 keys[slot, :, :n].copy_(layer.k[row, :, :n])
                 values[slot, :, :n].copy_(layer.v[row, :, :n])
-
-    def nbytes(self) -> int:
-        tensors = (*self.keys, *self.values, *self.scratch_keys, *self.scratch_values)
-        return sum(t.numel() * t.element_size() for t in tensors)

@@ -101,10 +101,11 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     from buckets import GraphKey
 
-    # One request needs two graphs: its prefill bucket and the smallest decode batch.
+    # One request needs its prefill bucket and the smallest decode batch at the KV buckets it will reach.
     table = model.table
-    model.load_and_warm([GraphKey("decode", table.batch_sizes[0], table.context_length),
-                         GraphKey("prefill", table.prefill_batch_sizes[0], bucket)])
+    last_kv = table.kv_for(len(ids) + params.max_tokens)
+    decode_keys = [GraphKey("decode", table.batch_sizes[0], kv) for kv in table.kv_lengths if kv <= last_kv]
+    model.load_and_warm([*decode_keys, GraphKey("prefill", table.prefill_batch_sizes[0], bucket)])
     warm = time.monotonic() - t0
     assert model.runner is not None
     result = generate_one(model.runner, ids, params, bucket, model.eos_token_ids)

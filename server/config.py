@@ -37,6 +37,7 @@ class ServerSettings:
     buckets: tuple[int, ...] = ()  # prompt-length buckets; () -> powers of two from 64 to max_model_len
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     prefill_batch_sizes: tuple[int, ...] = (1,)
+    kv_buckets: tuple[int, ...] = ()  # decode KV-length buckets; () -> derived from max_model_len
     max_model_len: int = 2048  # static KV length per slot (capped by the model's own limit)
     buckets_file: str = ""
     max_waiting_requests: int = 64
@@ -83,6 +84,8 @@ class ServerSettings:
     def bucket_table(self, model_max_length: int) -> BucketTable:
         """The one bucket table for this server, from --buckets-file, --buckets or the defaults."""
         context = min(self.max_model_len, model_max_length)
+        # The context length always closes the KV buckets (every live row needs a graph): added if missing.
+        kv = self.kv_buckets if not self.kv_buckets or self.kv_buckets[-1] >= context else (*self.kv_buckets, context)
         try:
             if self.buckets_file:
                 table = BucketTable.load(self.buckets_file)
@@ -92,10 +95,12 @@ class ServerSettings:
                     batch_sizes=self.batch_sizes,
                     prefill_batch_sizes=self.prefill_batch_sizes,
                     context_length=context,
+                    kv_lengths=kv,
                 )
             else:
                 table = BucketTable.default(
-                    context, batch_sizes=self.batch_sizes, prefill_batch_sizes=self.prefill_batch_sizes
+                    context, batch_sizes=self.batch_sizes, prefill_batch_sizes=self.prefill_batch_sizes,
+                    kv_lengths=kv,
                 )
         except BucketError as exc:
             raise SettingsError(f"buckets: {exc}") from exc
@@ -131,6 +136,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--buckets", type=parse_sizes, default=d.buckets, help="prompt-length buckets, e.g. 64,128,256")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=d.batch_sizes, help="decode batch buckets")
     parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=d.prefill_batch_sizes)
+    parser.add_argument("--kv-buckets", type=parse_sizes, default=d.kv_buckets,
+                        help="decode KV-length buckets, ending at the context length (default: 256, x4 steps)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--buckets-file", default=d.buckets_file, help="JSON bucket table (from `bucketserve plan`)")
     parser.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests)
@@ -154,7 +161,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts", "inductor_freezing"}
-_SIZE_FIELDS = {"buckets", "batch_sizes", "prefill_batch_sizes"}
+_SIZE_FIELDS = {"buckets", "batch_sizes", "prefill_batch_sizes", "kv_buckets"}
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerSettings:

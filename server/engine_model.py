@@ -89,9 +89,10 @@ class EngineModel:
         compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
                                            s.inductor_freezing)
         self.runner = ModelRunner(model, self.table, compile_settings, self.accountant)
-        log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, context %d: %d graphs",
-                 list(self.table.lengths), list(self.table.batch_sizes), list(self.table.prefill_batch_sizes),
-                 self.table.context_length, self.runner.num_graphs)
+        log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, context %d: "
+                 "%d graphs", list(self.table.lengths), list(self.table.batch_sizes),
+                 list(self.table.prefill_batch_sizes), list(self.table.kv_lengths), self.table.context_length,
+                 self.runner.num_graphs)
         self.metrics.warmup_progress(0, self.table.num_graphs)
         self.progress.started = time.monotonic()
         if keys is not None:
@@ -146,7 +147,7 @@ class EngineModel:
         positions = torch.zeros(step.batch, dtype=torch.long)
         tokens[slots] = torch.tensor([seq.last_token for seq in step.seqs], dtype=torch.long)
         positions[slots] = torch.tensor([seq.position for seq in step.seqs], dtype=torch.long)
-        logits = self.runner.decode(step.batch, tokens, positions)
+        logits = self.runner.decode(step.batch, tokens, positions, step.kv)
         host = logits[slots.to(logits.device)].float().cpu()
         self.metrics.decode_step_done(step.batch, len(step.seqs), time.perf_counter() - t0, step.padding_rows)
         return host

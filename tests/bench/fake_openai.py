@@ -66,7 +66,7 @@ class Handler(BaseHTTPRequestHandler):
                 "# HELP bucketserve_warmup_seconds warm-up\n# TYPE bucketserve_warmup_seconds gauge\n"
                 "bucketserve_warmup_seconds 1.5\n"
                 'bucketserve_recompilations_total{reason="unwarmed_shape"} 0.0\n'
-                'bucketserve_graph_compilations_total{graph="decode",bucket="b1",phase="warmup"} 3.0\n'
+                'bucketserve_graph_compilations_total{graph="decode",bucket="b1_kv2048",phase="warmup"} 3.0\n'
             ).encode()
             self.send_response(200)
             self.send_header("content-type", "text/plain; version=0.0.4")

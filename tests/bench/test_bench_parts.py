@@ -49,7 +49,7 @@ bucketserve_recompilations_total{reason="unwarmed_shape"} 2.0
 bucketserve_recompilations_total{reason="guard_failure"} 1.0
 bucketserve_warmup_seconds 12.5
 bucketserve_graph_compilations_total{graph="prefill",bucket="b1_l64",phase="serving"} 1.0
-bucketserve_graph_compilations_total{graph="decode",bucket="b1",phase="warmup"} 4.0
+bucketserve_graph_compilations_total{graph="decode",bucket="b1_kv2048",phase="warmup"} 4.0
 weird_label{msg="a \\"quoted\\", comma"} 3 1700000000
 """
 

@@ -137,3 +137,24 @@ def test_static_policy_runs_batches_to_completion() -> None:
     assert kinds == [("DecodeStep", ["a", "b"]), ("PrefillStep", ["late"])]
     with pytest.raises(ValueError):
         Scheduler(TABLE, policy="fifo")
+
+
+def test_decode_kv_bucket_covers_longest_live_row_and_shrinks_when_it_finishes() -> None:
+    table = BucketTable(lengths=(4, 8), batch_sizes=(1, 2), prefill_batch_sizes=(1, 2), context_length=32,
+                        kv_lengths=(8, 16, 32))
+    s = Scheduler(table)
+    s.add(seq("long", 8, max_tokens=12))
+    s.add(seq("short", 2, max_tokens=20))
+    run_step(s)  # prefill both (bucket 8 and 4 differ: only "long" joins this prefill)
+    run_step(s)  # decode "long": its first token goes to position 8 -> 9 positions -> KV 16
+    kvs = []
+    while (step := s.schedule()) is not None:
+        if isinstance(step, DecodeStep):  # checked before update() moves the positions on
+            longest = max(q.position for q in step.seqs) + 1
+            assert step.kv == table.kv_for(longest) and step.kv >= longest
+            kvs.append((step.kv, sorted(q.request_id for q in step.seqs)))
+        s.update(step, {q.request_id: 7 for q in step.seqs})
+    # While "long" runs the step pays for its length; once it finishes, "short" decodes in a smaller bucket.
+    assert (16, ["long", "short"]) in kvs
+    last_with_long = max(i for i, (_, ids) in enumerate(kvs) if "long" in ids)
+    assert kvs[last_with_long][0] == 32 and kvs[last_with_long + 1] == (16, ["short"])

@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from buckets.table import default_kv_lengths
 from buckets import BucketError, BucketTable, GraphKey, PromptTooLongError, parse_sizes, powers_of_two
 
 sizes = st.lists(st.integers(1, 4096), min_size=1, max_size=8, unique=True).map(lambda xs: tuple(sorted(xs)))
@@ -57,13 +58,32 @@ def test_default_derives_from_context_limit() -> None:
 
 
 def test_graph_keys_fixed_order_and_count() -> None:
-    table = BucketTable(lengths=(16, 32), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2), context_length=64)
+    table = BucketTable(lengths=(16, 32), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2), context_length=64,
+                        kv_lengths=(32, 64))
     keys = list(table.graph_keys())
-    assert keys[:3] == [GraphKey("decode", b, 64) for b in (1, 2, 4)]
-    assert keys[3:] == [GraphKey("prefill", 1, 16), GraphKey("prefill", 2, 16),
+    assert keys[:6] == [GraphKey("decode", b, kv) for b in (1, 2, 4) for kv in (32, 64)]
+    assert keys[6:] == [GraphKey("prefill", 1, 16), GraphKey("prefill", 2, 16),
                         GraphKey("prefill", 1, 32), GraphKey("prefill", 2, 32)]
-    assert table.num_graphs == len(keys) == len(set(keys))
-    assert keys[0].bucket == "b1" and keys[3].bucket == "b1_l16"
+    assert table.num_graphs == len(keys) == len(set(keys)) == 10
+    assert keys[0].bucket == "b1_kv32" and keys[6].bucket == "b1_l16"
+
+
+def test_kv_buckets_default_route_and_validate() -> None:
+    assert default_kv_lengths(2048) == (256, 1024, 2048)
+    assert default_kv_lengths(4096) == (256, 1024, 4096)
+    assert default_kv_lengths(100) == (100,)
+    table = BucketTable(lengths=(16, 32), context_length=64, kv_lengths=(16, 48, 64))
+    # A step needs the longest row's position + 1 positions; a boundary uses that bucket.
+    assert [table.kv_for(n) for n in (1, 16, 17, 48, 49, 64)] == [16, 16, 48, 48, 64, 64]
+    for bad in (0, 65):
+        with pytest.raises(BucketError, match="outside 1..64"):
+            table.kv_for(bad)
+    with pytest.raises(BucketError, match="must end at the context length 64"):
+        BucketTable(lengths=(16, 32), context_length=64, kv_lengths=(16, 32))
+    with pytest.raises(BucketError, match="kv_lengths"):
+        BucketTable(lengths=(16, 32), context_length=64, kv_lengths=(64, 16))
+    assert BucketTable(lengths=(16, 32), context_length=64).kv_lengths == (64,)
+    assert BucketTable.from_dict(table.to_dict()) == table
 
 
 def test_batch_routing_and_request_check() -> None:

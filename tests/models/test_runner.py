@@ -14,7 +14,9 @@ from models.loading import load_model
 from models.runner import ModelRunner, PrefillRow, UnknownShapeError
 from models.sampling import SamplingParams
 
-TABLE = BucketTable(lengths=(8, 16), batch_sizes=(1, 2), prefill_batch_sizes=(1, 2), context_length=48)
+# KV buckets 16 and 24 sit inside the generated spans of the boundary tests: decode crosses them.
+TABLE = BucketTable(lengths=(8, 16), batch_sizes=(1, 2), prefill_batch_sizes=(1, 2), context_length=48,
+                    kv_lengths=(16, 24, 48))
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
@@ -58,6 +60,18 @@ def test_mixed_length_batch_prefill_and_decode(compiled) -> None:
             outs[i].append(int(step_logits[slot].argmax()))
     for ids, out in zip(prompts, outs):
         assert out == reference(model, ids, 10)
+
+
+def test_decode_logits_do_not_depend_on_the_kv_bucket(compiled) -> None:
+    """A row attends over the same positions in every KV bucket that covers it: the result is the same."""
+    runner, _ = compiled
+    ids = random.Random(3).choices(range(5, 400), k=12)
+    runner.prefill([PrefillRow(0, ids)], 16, 1)
+    tokens = torch.tensor([7, 0])
+    pos = torch.tensor([12, 0])
+    outs = [runner.decode(2, tokens, pos, kv).clone() for kv in (16, 24, 48)]
+    for other in outs[1:]:
+        torch.testing.assert_close(other[0], outs[0][0], rtol=1e-5, atol=1e-5)
 
 
 def test_no_compilation_after_warmup_for_random_requests(compiled) -> None:
@@ -104,7 +118,8 @@ def test_unwarmed_shape_fails_closed_or_counts_when_allowed(tiny_llama: str) -> 
 @pytest.mark.parametrize("freezing", [False, True])
 def test_inductor_greedy_matches_generate(tiny_llama: str, freezing: bool) -> None:
     """The real compiled path (inductor, C++ codegen): slow, so only in `make test-slow`."""
-    table = BucketTable(lengths=(8,), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=24)
+    table = BucketTable(lengths=(8,), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=24,
+                        kv_lengths=(12, 24))  # generation crosses the KV boundary at 12
     model = load_model(tiny_llama, "float32", "cpu")
     runner = ModelRunner(model, table, CompileSettings(backend="inductor", inductor_freezing=freezing))
     runner.warmup()

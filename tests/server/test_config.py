@@ -36,3 +36,11 @@ def test_bucket_table_never_exceeds_the_model_or_max_model_len() -> None:
     assert ServerSettings(buckets=(64, 256), max_model_len=512).bucket_table(8192).context_length == 512
     with pytest.raises(SettingsError, match="larger|smaller|exceeds"):
         ServerSettings(buckets=(64, 4096), max_model_len=512).bucket_table(8192)
+
+
+def test_kv_buckets_flag_env_and_context_closing() -> None:
+    assert ServerSettings().bucket_table(8192).kv_lengths == (256, 1024, 2048)
+    assert parse(["--kv-buckets", "128,512"], {}).bucket_table(8192).kv_lengths == (128, 512, 2048)
+    assert parse([], {"BUCKETSERVE_KV_BUCKETS": "512"}).bucket_table(1024).kv_lengths == (512, 1024)
+    with pytest.raises(SettingsError, match="kv_lengths"):
+        ServerSettings(kv_buckets=(256, 4096)).bucket_table(8192)

@@ -224,7 +224,7 @@ def partly_warm(request: pytest.FixtureRequest, checkpoint: str) -> Iterator[Ser
     t = SMALL_TABLE
     settings = tiny_settings(model=checkpoint, compile_backend="dynamo-eager", recompile_policy=request.param,
                              buckets=t.lengths, batch_sizes=t.batch_sizes, prefill_batch_sizes=t.prefill_batch_sizes,
-                             max_model_len=t.context_length)
+                             max_model_len=t.context_length, kv_buckets=t.kv_lengths)
     warm = [k for k in t.graph_keys() if k != UNWARMED]
     with serve(settings, warm_keys=warm) as served:
         assert served.engine.table == t

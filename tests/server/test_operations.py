@@ -122,7 +122,8 @@ def test_compile_cache_key_changes_with_dtype_buckets_and_model(tiny_llama: str,
     key = EngineModel(base, tiny_llama).compile_cache_dir()
     assert key.startswith(str(tmp_path)) and key == EngineModel(base, tiny_llama).compile_cache_dir()
     for changed in (replace(base, dtype="bfloat16"), replace(base, buckets=(8, 16, 64)),
-                    replace(base, compile_backend="dynamo-eager"), replace(base, max_model_len=96)):
+                    replace(base, compile_backend="dynamo-eager"), replace(base, max_model_len=96, kv_buckets=(32,)),
+                    replace(base, kv_buckets=(64,))):
         assert EngineModel(changed, tiny_llama).compile_cache_dir() != key
 
 
@@ -134,7 +135,7 @@ def test_second_process_loads_every_graph_from_the_cache(tiny_llama: str, tmp_pa
                          capture_output=True, text=True, timeout=900)
     assert pre.returncode == 0, pre.stderr[-3000:]
     manifest = json.loads(pre.stdout[pre.stdout.index("{"):])
-    assert sorted(g["bucket"] for g in manifest["graphs"]) == ["b1", "b1_l16"]
+    assert sorted(g["bucket"] for g in manifest["graphs"]) == ["b1_kv32", "b1_l16"]
     server = ServerProcess(tiny_llama, *flags, "--require-cached-graphs", log_path=tmp_path / "server.log")
     try:
         server.wait_ready()
