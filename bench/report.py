@@ -64,6 +64,64 @@ def _pcts(summary: Any, scale: float, digits: int = 1) -> str:
     return " / ".join(_f(summary.get(k), scale, digits) for k in ("p50", "p90", "p99"))
 
 
+ITL_LEVEL = 8  # the headline's inter-token latency is read at this many clients (or the nearest level)
+
+
+def headline(t: dict[str, Any], probe_lengths: list[str], levels: list[int]) -> dict[str, Any]:
+    """One engine's headline figures: TTFT p50 per probe length, one-stream decode tok/s, output tok/s and
+    server CPU-seconds per wall second per level, ITL p50/p99 near ITL_LEVEL clients."""
+    by_c = {lv["concurrency"]: lv for lv in t.get("levels", [])}
+    one = by_c.get(1)
+    tpot = one["tpot"].get("p50") if one else None
+    itl_c = min(by_c, key=lambda c: (abs(c - ITL_LEVEL), c)) if by_c else None
+    itl = by_c[itl_c]["itl"] if itl_c is not None else {}
+    probe = t.get("ttft_probe") or {}
+    return {
+        "ttft_ms": [probe.get(n) * 1e3 if isinstance(probe.get(n), (int, float)) else None for n in probe_lengths],
+        "decode_tok_s": 1 / tpot if isinstance(tpot, (int, float)) and tpot > 0 else None,
+        "out_tok_s": [by_c[c]["output_tokens_per_s"] if c in by_c else None for c in levels],
+        "cpu_per_s": [by_c[c].get("server_cpu_per_second") if c in by_c else None for c in levels],
+        "itl_level": itl_c,
+        "itl_p50_ms": itl.get("p50") * 1e3 if isinstance(itl.get("p50"), (int, float)) else None,
+        "itl_p99_ms": itl.get("p99") * 1e3 if isinstance(itl.get("p99"), (int, float)) else None,
+    }
+
+
+def _cells(values: list[Any], digits: int = 0) -> str:
+    return " / ".join(_f(v, digits=digits) for v in values)
+
+
+def headline_lines(doc: dict[str, Any]) -> list[str]:
+    """The side-by-side table of the speed issue, plus bucketserve / vllm ratios when both ran."""
+    targets = [t for t in doc["targets"] if t.get("levels")]
+    if not targets:
+        return []
+    levels = list(doc.get("concurrency") or [])
+    probe_lengths = sorted({n for t in targets for n in (t.get("ttft_probe") or {})}, key=int)
+    rows = {t["name"]: headline(t, probe_lengths, levels) for t in targets}
+    lines = ["## Headline", "",
+             f"| engine | TTFT p50 ms at {'/'.join(probe_lengths) or '–'} tokens | decode tok/s, 1 stream | "
+             f"out tok/s at {'/'.join(map(str, levels))} clients | ITL p50 (p99) ms | "
+             "server CPU s per s at each level |", "|---|---|---|---|---|---|"]
+    for name, h in rows.items():
+        lines.append(f"| {name} | {_cells(h['ttft_ms'])} | {_f(h['decode_tok_s'])} | {_cells(h['out_tok_s'])} | "
+                     f"{_f(h['itl_p50_ms'], digits=0)} ({_f(h['itl_p99_ms'], digits=0)}) at {h['itl_level']} | "
+                     f"{_cells(h['cpu_per_s'], 2)} |")
+    ours, theirs = rows.get("bucketserve"), rows.get("vllm")
+    if ours and theirs:
+        def ratio(a: Any, b: Any) -> float | None:
+            return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+        lines.append(
+            f"| bucketserve / vllm | {_cells([ratio(a, b) for a, b in zip(ours['ttft_ms'], theirs['ttft_ms'])], 2)} | "
+            f"{_f(ratio(ours['decode_tok_s'], theirs['decode_tok_s']), digits=2)} | "
+            f"{_cells([ratio(a, b) for a, b in zip(ours['out_tok_s'], theirs['out_tok_s'])], 2)} | "
+            f"{_f(ratio(ours['itl_p50_ms'], theirs['itl_p50_ms']), digits=2)} "
+            f"({_f(ratio(ours['itl_p99_ms'], theirs['itl_p99_ms']), digits=2)}) | "
+            f"{_cells([ratio(a, b) for a, b in zip(ours['cpu_per_s'], theirs['cpu_per_s'])], 2)} |")
+    return lines + [""]
+
+
 def markdown(doc: dict[str, Any]) -> str:
     w = doc.get("workload", {})
     lines = [
@@ -71,8 +129,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"Workload: prompts {w.get('prompt_len')} (max {w.get('max_prompt_len')}), outputs {w.get('output_len')}, "
         f"{w.get('num_requests')} requests per level, seed {w.get('seed')}; tokenizer {doc.get('tokenizer')}; "
-        f"threads {doc.get('threads') or 'default'}.",
+        f"threads {doc.get('threads') or 'default'}; dtype {doc.get('dtype') or 'each engine default'}.",
         "",
+        *headline_lines(doc),
         "## Start-up and warm-up (not part of the steady-state figures)",
         "",
         "| server | ready (s) | warm-up metric (s) | first request (s) | peak RSS (MiB) | recompilations | API used |",

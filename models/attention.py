@@ -24,6 +24,10 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     """query: [b, H, q, D]; key/value: [b, H_kv, C, D]; mask: [b, 1, q, C] additive. Returns [b, q, H, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if attention_mask is not None and key.shape[-2] > attention_mask.shape[-1]:
+        # A decode step of KV bucket K gets the slot buffers [b, H_kv, C, D]; it reads positions [0, K).
+        kv_len = attention_mask.shape[-1]
+        key, value = key[:, :, :kv_len], value[:, :, :kv_len]
     groups = int(getattr(module, "num_key_value_groups", 1))
     b, heads, q_len, dim = query.shape
     mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)

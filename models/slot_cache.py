@@ -86,9 +86,6 @@ class DecodeLayer(_ViewLayer):
         super().__init__(keys, values)
         self.write_pos = write_pos  # [b] long, shared by all layers of one DecodeCache
         self.kv_length = kv_length
-        # [b, H, K, D] views (strided over the full context C): what attention reads.
-        self.k_read = keys[:, :, :kv_length]
-        self.v_read = values[:, :, :kv_length]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -102,7 +99,8 @@ class DecodeLayer(_ViewLayer):
         rows = rows.view(-1)
         self.k.view(b * h * context, d).index_copy_(0, rows, key_states.reshape(b * h, d))
         self.v.view(b * h * context, d).index_copy_(0, rows, value_states.reshape(b * h, d))
-        return self.k_read, self.v_read
+        # The whole buffers go back; attention reads their first K positions (the mask is [b, 1, 1, K]).
+        return self.k, self.v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.kv_length, 0

@@ -29,7 +29,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     device: str = "cpu"  # cpu | cuda | neuron
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "auto"  # auto (bfloat16 where the CPU has native bf16, else float32) | float32 | bfloat16
     compile_backend: str = "inductor"  # inductor | eager | neuron
     # Inductor weight freezing (prepacking): faster on CPU (2x decode in bfloat16 here), but frozen graphs
     # bypass the persistent compile cache, so every restart compiles again.
@@ -48,7 +48,7 @@ class ServerSettings:
     # "auto": $XDG_CACHE_HOME/bucketserve/compile; "none": no persistent cache.
     compile_cache_dir: str = "auto"
     require_cached_graphs: bool = False
-    num_threads: int = 0  # 0 -> torch's default
+    num_threads: int = 0  # compute threads; 0 -> max(1, usable cores - 1): one core left for HTTP
     api_keys: tuple[str, ...] = ()
     protect_metrics: bool = False
     max_body_bytes: int = 1_048_576
@@ -61,7 +61,7 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         _choice("device", self.device, ("cpu", "cuda", "neuron"))
-        _choice("dtype", self.dtype, ("float32", "bfloat16"))
+        _choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _choice("compile_backend", self.compile_backend, COMPILE_BACKENDS)
         _choice("recompile_policy", self.recompile_policy, ("error", "allow"))
         _choice("batching", self.batching, ("continuous", "static"))
@@ -129,7 +129,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--device", default=d.device, choices=["cpu", "cuda", "neuron"])
-    parser.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
+                        help="auto: bfloat16 on CPUs with AVX512-BF16/AMX and on accelerators, else float32")
     parser.add_argument("--compile-backend", default=d.compile_backend, choices=list(COMPILE_BACKENDS))
     parser.add_argument("--inductor-freezing", action="store_true", default=d.inductor_freezing,
                         help="freeze weights into inductor graphs (faster; not reusable from the compile cache)")

@@ -18,6 +18,7 @@ import torch
 
 from buckets import BucketTable, GraphKey
 from buckets.scheduler import DecodeStep, PrefillStep
+from models.hardware import resolve_dtype, resolve_num_threads
 from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key
 from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
 from models.runner import ModelRunner, PrefillRow
@@ -56,6 +57,9 @@ class EngineModel:
 
         self.settings = settings
         self.path = model_path
+        # "auto" settings resolved once, here: everything after (loading, cache key, info) uses these.
+        self.dtype = resolve_dtype(settings.dtype, settings.device)
+        self.num_threads = resolve_num_threads(settings.num_threads)
         self.metrics = SafeHooks(metrics)
         self.tokenizer: Any = load_tokenizer(model_path)
         self.config = AutoConfig.from_pretrained(model_path)
@@ -81,11 +85,11 @@ class EngineModel:
     def load_and_warm(self, keys: list[GraphKey] | None = None) -> None:
         """Load weights and warm `keys` (default: every graph of the table)."""
         s = self.settings
-        if s.num_threads > 0:
-            torch.set_num_threads(s.num_threads)
+        torch.set_num_threads(self.num_threads)
         t0 = time.monotonic()
-        model = load_model(self.path, s.dtype, s.device)
-        log.info("loaded %s (%s, %s) in %.1f s", self.name, s.dtype, s.device, time.monotonic() - t0)
+        model = load_model(self.path, self.dtype, s.device)
+        log.info("loaded %s (%s, %s, %d compute threads) in %.1f s", self.name, self.dtype, s.device,
+                 self.num_threads, time.monotonic() - t0)
         compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
                                            s.inductor_freezing)
         self.runner = ModelRunner(model, self.table, compile_settings, self.accountant)
@@ -124,9 +128,9 @@ class EngineModel:
         weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime))
                          for p in Path(self.path).glob("*.safetensors")) if local else []
         parts = {"model": os.path.abspath(self.path) if local else self.path, "weights": weights,
-                 "dtype": self.settings.dtype, "device": self.settings.device,
+                 "dtype": self.dtype, "device": self.settings.device,
                  "backend": self.settings.compile_backend, "freezing": self.settings.inductor_freezing,
-                 "buckets": self.table.to_dict(), "threads": torch.get_num_threads()}
+                 "buckets": self.table.to_dict(), "threads": self.num_threads}
         return os.path.join(root, cache_key(parts))
 
     def run_step(self, step: PrefillStep | DecodeStep, prompt_of: Callable[[str], list[int]]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from buckets import BucketTable
 
 INFO_REQUIRED = ("model", "dtype", "device", "compile_backend")
-INFO_FROM_TABLE = ("lengths", "batch_sizes", "prefill_batch_sizes", "context_length")
+INFO_FROM_TABLE = ("lengths", "batch_sizes", "prefill_batch_sizes", "kv_lengths", "context_length")
 # Bounded label vocabularies; a value outside them is a programming error (ValueError).
 COMPILE_PHASES = ("warmup", "serving")
 RECOMPILE_REASONS = ("unwarmed_shape", "guard_failure")
@@ -146,5 +146,6 @@ def info_labels(given: dict[str, str], table: BucketTable) -> dict[str, str]:
     out["lengths"] = ",".join(map(str, table.lengths))
     out["batch_sizes"] = ",".join(map(str, table.batch_sizes))
     out["prefill_batch_sizes"] = ",".join(map(str, table.prefill_batch_sizes))
+    out["kv_lengths"] = ",".join(map(str, table.kv_lengths))
     out["context_length"] = str(table.context_length)
     return out

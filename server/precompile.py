@@ -18,7 +18,8 @@ def precompile_main(settings: ServerSettings) -> int:
     model.load_and_warm()
     manifest = {
         "model": model.name,
-        "dtype": settings.dtype,
+        "dtype": model.dtype,
+        "threads": model.num_threads,
         "device": settings.device,
         "compile_backend": settings.compile_backend,
         "compile_cache_dir": model.compile_cache_dir(),

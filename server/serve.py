@@ -34,7 +34,7 @@ def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = 
     metrics = Metrics(
         registry or CollectorRegistry(),
         model.table,
-        info={"model": model.name, "dtype": settings.dtype, "device": settings.device,
+        info={"model": model.name, "dtype": model.dtype, "threads": str(model.num_threads), "device": settings.device,
               "compile_backend": settings.compile_backend},
     )
     model.metrics = SafeHooks(metrics)

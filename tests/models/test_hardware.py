@@ -1,0 +1,32 @@
+"""Host detection: the dtype and thread defaults that make the fast configuration the default."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.hardware import cpu_flags, resolve_dtype, resolve_num_threads
+
+XEON = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n\nprocessor\t: 1\n"
+OLD = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n"
+
+
+def test_cpu_flags_parse_first_processor() -> None:
+    assert {"avx512_bf16", "amx_bf16"} <= cpu_flags(XEON)
+    assert cpu_flags("") == frozenset()
+
+
+def test_auto_dtype_is_bf16_only_with_native_support() -> None:
+    assert resolve_dtype("auto", "cpu", cpu_flags(XEON)) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", cpu_flags("flags: avx512_bf16")) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", cpu_flags(OLD)) == "float32"
+    assert resolve_dtype("auto", "neuron", frozenset()) == "bfloat16"
+    assert resolve_dtype("float32", "cpu", cpu_flags(XEON)) == "float32"  # explicit always wins
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("float16", "cpu")
+
+
+def test_threads_leave_one_core_for_http() -> None:
+    assert [resolve_num_threads(0, cores) for cores in (1, 2, 4, 16)] == [1, 1, 3, 15]
+    assert resolve_num_threads(3, 2) == 3
+    with pytest.raises(ValueError):
+        resolve_num_threads(-1)
