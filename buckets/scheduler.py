@@ -8,7 +8,12 @@ Policy: first come, first served. A waiting request is prefilled (padded to its 
 later waiting requests of the same bucket when prefill batch buckets allow) into the lowest free slots, then
 joins the running decode batch at the next step. Prefill and decode alternate while both have work, so neither
 starves. A decode step runs the smallest batch bucket that covers the highest busy slot (slots are handed out
-lowest first to keep that bucket small) and the smallest KV-length bucket that covers the longest live row. Finished or aborted sequences free their slot at once.
+lowest first to keep that bucket small) and the smallest KV-length bucket that covers the longest live row.
+
+Chunked prefill (when the table has it): a prompt longer than the chunk length takes a slot and is prefilled
+one chunk per step, its first chunk by a PrefillStep and the rest by ChunkSteps; between two of its chunks a
+decode step runs whenever any row is decoding, so a decode row never waits for more than one chunk. The
+chunking request is older than anything waiting, so it goes first (FCFS); it can be aborted between chunks. Finished or aborted sequences free their slot at once.
 """
 
 from __future__ import annotations
@@ -39,13 +44,21 @@ class Sequence:
     bucket: int = 0
     slot: int = -1
     position: int = 0
+    prefilled: int = 0  # prompt tokens already in the slot's cache (< prompt_len while chunking)
     num_generated: int = 0
     last_token: int = -1
     finish_reason: str | None = None
+    num_chunks: int = 0  # prefill graph calls this prompt took (1 unless chunked)
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.prefilled >= self.prompt_len
 
 
 @dataclass(frozen=True)
 class PrefillStep:
+    """Prefill rows from position 0: whole prompts, or the first chunk (`length` tokens) of a longer one."""
+
     length: int  # length bucket
     batch: int  # prefill batch bucket (>= len(seqs))
     seqs: tuple[Sequence, ...]
@@ -53,7 +66,41 @@ class PrefillStep:
     @property
     def padding_tokens(self) -> int:
         """Tokens computed for padding: the gap to the bucket per real row plus whole pad rows."""
-        return sum(self.length - s.prompt_len for s in self.seqs) + self.length * (self.batch - len(self.seqs))
+        real = sum(min(s.prompt_len, self.length) for s in self.seqs)
+        return self.length * self.batch - real
+
+    @property
+    def sampling_seqs(self) -> tuple[Sequence, ...]:
+        """The rows whose prompt ends in this step: they get their first token from it."""
+        return tuple(s for s in self.seqs if s.prompt_len <= self.length)
+
+
+@dataclass(frozen=True)
+class ChunkStep:
+    """One chunk of a long prompt: tokens [offset, offset + num_tokens) into its slot, padded to `length`
+    (the chunk length), attending over the slot's positions [0, kv)."""
+
+    length: int
+    kv: int
+    offset: int
+    num_tokens: int
+    seq: Sequence
+
+    @property
+    def seqs(self) -> tuple[Sequence, ...]:
+        return (self.seq,)
+
+    @property
+    def is_final(self) -> bool:
+        return self.offset + self.num_tokens >= self.seq.prompt_len
+
+    @property
+    def sampling_seqs(self) -> tuple[Sequence, ...]:
+        return (self.seq,) if self.is_final else ()
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.length - self.num_tokens
 
 
 @dataclass(frozen=True)
@@ -61,13 +108,20 @@ class DecodeStep:
     batch: int  # decode batch bucket; rows are slots [0, batch)
     kv: int  # KV-length bucket: attention reads positions [0, kv) of each slot
     seqs: tuple[Sequence, ...]
+    # (slot, position) of rows inside the batch whose prompt is still being chunked: their dummy token is
+    # written at the slot's first unfilled position, which its next chunk overwrites before anything reads it.
+    parked: tuple[tuple[int, int], ...] = ()
 
     @property
     def padding_rows(self) -> int:
         return self.batch - len(self.seqs)
 
+    @property
+    def sampling_seqs(self) -> tuple[Sequence, ...]:
+        return self.seqs
 
-Step = PrefillStep | DecodeStep
+
+Step = PrefillStep | ChunkStep | DecodeStep
 
 
 @dataclass
@@ -116,29 +170,40 @@ class Scheduler:
     # -- the two calls ---------------------------------------------------------------------------
     def schedule(self) -> Step | None:
         free = self.free_slots()
-        want_prefill = bool(self.waiting) and bool(free)
+        chunking = min((s for s in self.running.values() if not s.is_decoding), key=lambda s: s.slot, default=None)
+        decoding = {slot: s for slot, s in self.running.items() if s.is_decoding}
+        want_prefill = chunking is not None or (bool(self.waiting) and bool(free))
         if self.policy == "static":
             # A batch forms (consecutive prefills) only while nothing decodes, then runs to completion.
-            want_prefill = want_prefill and (not self.running or self._last_was_prefill)
-            if want_prefill:
-                self._last_was_prefill = True
-                return self._prefill(free)
-        elif want_prefill and not (self._last_was_prefill and self.running):
+            want_prefill = want_prefill and (not decoding or self._last_was_prefill)
+        elif want_prefill and self._last_was_prefill and decoding:
+            want_prefill = False  # a decode step between any two prefill steps: decode never starves
+        if want_prefill:
             self._last_was_prefill = True
-            return self._prefill(free)
+            return self._chunk(chunking) if chunking is not None else self._prefill(free)
         self._last_was_prefill = False
-        if self.running:
-            batch = self.table.batch_for(max(self.running) + 1)
-            kv = self.table.kv_for(max(seq.position for seq in self.running.values()) + 1)
-            return DecodeStep(batch, kv, tuple(self.running[s] for s in sorted(self.running)))
+        if decoding:
+            batch = self.table.batch_for(max(decoding) + 1)
+            kv = self.table.kv_for(max(seq.position for seq in decoding.values()) + 1)
+            parked = tuple((slot, s.prefilled) for slot, s in sorted(self.running.items())
+                           if slot < batch and not s.is_decoding)
+            return DecodeStep(batch, kv, tuple(decoding[s] for s in sorted(decoding)), parked)
         return None
 
     def update(self, step: Step, sampled: dict[str, int]) -> list[Sequence]:
         """Record each sequence's new token; returns the sequences that finished (slots freed)."""
         finished: list[Sequence] = []
         for seq in step.seqs:
-            if seq.finish_reason is not None or seq.request_id not in sampled:
+            if seq.finish_reason is not None:
                 continue  # aborted while the step ran
+            if isinstance(step, PrefillStep):
+                seq.prefilled = min(seq.prompt_len, step.length)
+                seq.num_chunks += 1
+            elif isinstance(step, ChunkStep):
+                seq.prefilled = step.offset + step.num_tokens
+                seq.num_chunks += 1
+            if not seq.is_decoding or seq.request_id not in sampled:
+                continue  # a chunk that does not end the prompt yields no token
             token = sampled[seq.request_id]
             seq.last_token = token
             seq.num_generated += 1
@@ -165,16 +230,29 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_decoding(self) -> int:
+        """Running rows past their prefill (a prefill or chunk step makes them wait)."""
+        return sum(1 for seq in self.running.values() if seq.is_decoding)
+
+    @property
     def waiting_tokens(self) -> int:
         return self._waiting_tokens
 
     def _prefill(self, free: list[int]) -> PrefillStep:
         head = self.waiting[0]
         room = min(len(free), self.table.prefill_batch_sizes[-1])
+        if head.bucket > self.table.max_length:  # a chunked prompt: its first chunk runs alone
+            room = 1
         group = [s for s in self.waiting if s.bucket == head.bucket][:room]
         for seq, slot in zip(group, free):
             self.waiting.remove(seq)
             self._waiting_tokens -= seq.prompt_len
             seq.slot = slot
             self.running[slot] = seq
-        return PrefillStep(head.bucket, self.table.prefill_batch_for(len(group)), tuple(group))
+        length = min(head.bucket, self.table.max_length)
+        return PrefillStep(length, self.table.prefill_batch_for(len(group)), tuple(group))
+
+    def _chunk(self, seq: Sequence) -> ChunkStep:
+        c = self.table.chunk_length
+        n = min(c, seq.prompt_len - seq.prefilled)
+        return ChunkStep(c, self.table.kv_for(seq.prefilled + n), seq.prefilled, n, seq)

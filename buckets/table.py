@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
 
-Phase = Literal["prefill", "decode"]
+Phase = Literal["prefill", "decode", "chunk"]
 
 
 class BucketError(ValueError):
@@ -40,7 +40,8 @@ class BatchTooLargeError(ValueError):
 @dataclass(frozen=True, order=True)
 class GraphKey:
     """Identifies one compiled graph: prefill graphs by (rows, length bucket), decode graphs by
-    (rows, KV-length bucket): a decode graph attends over the first `length` positions of each slot."""
+    (rows, KV-length bucket): a decode graph attends over the first `length` positions of each slot;
+    chunk graphs (one row, one chunk of the chunk length) by the KV-length bucket they attend over."""
 
     phase: Phase
     batch: int
@@ -51,6 +52,8 @@ class GraphKey:
         """Bounded metric label for the bucket this graph serves."""
         if self.phase == "decode":
             return f"b{self.batch}_kv{self.length}"
+        if self.phase == "chunk":
+            return f"kv{self.length}"
         return f"b{self.batch}_l{self.length}"
 
     def __str__(self) -> str:
@@ -89,13 +92,19 @@ class BucketTable:
     buckets, plus the static context length of the KV cache (every slot holds up to `context_length` tokens).
 
     A decode step runs the smallest KV bucket covering the longest live row (its position + 1): attention
-    then reads only that prefix of each slot, so a step costs what the sequences hold, not the context."""
+    then reads only that prefix of each slot, so a step costs what the sequences hold, not the context.
+
+    With `chunked_prefill`, the largest length bucket is the chunk length c: a longer prompt is prefilled c
+    tokens at a time (the first chunk by the prefill graph of bucket c, the others by chunk graphs that
+    attend over the slot's earlier positions), interleaved with decode steps. Its request bucket is its
+    length rounded up to a multiple of c, so `request_lengths` stays bounded."""
 
     lengths: tuple[int, ...]
     batch_sizes: tuple[int, ...] = (1,)
     prefill_batch_sizes: tuple[int, ...] = (1,)
     context_length: int = 0  # 0: the largest length bucket
     kv_lengths: tuple[int, ...] = ()  # (): default_kv_lengths(context_length); the last is the context
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", tuple(self.lengths))
@@ -126,6 +135,11 @@ class BucketTable:
                 f"kv_lengths {list(kv)} must end at the context length {self.context_length} "
                 "(every live sequence needs a decode graph)"
             )
+        if self.chunked_prefill and self.context_length % self.max_length:
+            raise BucketError(
+                f"chunked prefill needs the context length {self.context_length} to be a multiple of the chunk "
+                f"length (the largest length bucket, {self.max_length})"
+            )
 
     # -- routing -------------------------------------------------------------------------------
     @property
@@ -136,14 +150,33 @@ class BucketTable:
     def max_batch(self) -> int:
         return self.batch_sizes[-1]
 
+    @property
+    def chunk_length(self) -> int:
+        """Tokens per prefill chunk; 0 when chunked prefill is off."""
+        return self.max_length if self.chunked_prefill else 0
+
+    @property
+    def request_lengths(self) -> tuple[int, ...]:
+        """Every request bucket (metric labels): the length buckets, then multiples of the chunk length."""
+        c = self.chunk_length
+        return self.lengths + (tuple(range(2 * c, self.context_length + 1, c)) if c else ())
+
+    @property
+    def chunk_kv_lengths(self) -> tuple[int, ...]:
+        """KV buckets a chunk graph may need: a chunk after the first reaches past position c."""
+        return tuple(kv for kv in self.kv_lengths if kv > self.chunk_length) if self.chunk_length else ()
+
     def length_for(self, n: int) -> int:
-        """Smallest length bucket >= n. A prompt exactly at a boundary uses that bucket."""
+        """Smallest request bucket >= n. A prompt exactly at a boundary uses that bucket."""
         if n < 1:
             raise BucketError(f"a prompt needs at least one token, got {n}")
         for length in self.lengths:
             if length >= n:
                 return length
-        raise PromptTooLongError(n, self.max_length)
+        c = self.chunk_length
+        if c and n <= self.context_length:
+            return -(-n // c) * c
+        raise PromptTooLongError(n, self.context_length if c else self.max_length)
 
     def batch_for(self, rows: int) -> int:
         """Smallest decode batch bucket holding `rows` rows."""
@@ -174,13 +207,16 @@ class BucketTable:
         for b in self.batch_sizes:
             for kv in self.kv_lengths:
                 yield GraphKey("decode", b, kv)
+        for kv in self.chunk_kv_lengths:
+            yield GraphKey("chunk", 1, kv)
         for length in self.lengths:
             for p in self.prefill_batch_sizes:
                 yield GraphKey("prefill", p, length)
 
     @property
     def num_graphs(self) -> int:
-        return len(self.batch_sizes) * len(self.kv_lengths) + len(self.lengths) * len(self.prefill_batch_sizes)
+        return (len(self.batch_sizes) * len(self.kv_lengths) + len(self.chunk_kv_lengths)
+                + len(self.lengths) * len(self.prefill_batch_sizes))
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -193,15 +229,20 @@ class BucketTable:
         batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
         prefill_batch_sizes: tuple[int, ...] = (1,),
         kv_lengths: tuple[int, ...] = (),
+        chunk_length: int = 0,
     ) -> BucketTable:
-        """Powers of two from `min_length` up to the smaller of the model's context and `max_length`."""
+        """Powers of two from `min_length` up to the smaller of the model's context and `max_length`; with
+        `chunk_length` (0: off), up to the chunk length, and longer prompts are prefilled in chunks."""
         limit = model_max_length if max_length is None else min(model_max_length, max_length)
+        chunked = 0 < chunk_length < limit
+        top = chunk_length if chunked else limit
         return cls(
-            lengths=powers_of_two(min(min_length, limit), limit),
+            lengths=powers_of_two(min(min_length, top), top),
             batch_sizes=batch_sizes,
             prefill_batch_sizes=prefill_batch_sizes,
             context_length=limit,
             kv_lengths=kv_lengths,
+            chunked_prefill=chunked,
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -211,11 +252,13 @@ class BucketTable:
             "prefill_batch_sizes": list(self.prefill_batch_sizes),
             "context_length": self.context_length,
             "kv_lengths": list(self.kv_lengths),
+            "chunked_prefill": self.chunked_prefill,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> BucketTable:
-        unknown = set(data) - {"lengths", "batch_sizes", "prefill_batch_sizes", "context_length", "kv_lengths"}
+        unknown = set(data) - {"lengths", "batch_sizes", "prefill_batch_sizes", "context_length", "kv_lengths",
+                              "chunked_prefill"}
         if unknown:
             raise BucketError(f"unknown bucket fields: {sorted(unknown)}")
         if "lengths" not in data:
@@ -236,6 +279,7 @@ class BucketTable:
             prefill_batch_sizes=ints("prefill_batch_sizes", (1,)),
             context_length=context,
             kv_lengths=ints("kv_lengths", ()),
+            chunked_prefill=bool(data.get("chunked_prefill", False)),
         )
 
     def save(self, path: str | Path) -> None:

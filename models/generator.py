@@ -27,13 +27,19 @@ def generate_one(
     length_bucket: int,
     eos_token_ids: frozenset[int] = frozenset(),
 ) -> GenerationResult:
-    """Prefill into slot 0 padded to `length_bucket`, then decode in the smallest batch bucket."""
+    """Prefill into slot 0 padded to `length_bucket` (a longer prompt chunk by chunk, as the scheduler would
+    run it), then decode in the smallest batch bucket."""
     sampler = Sampler(params, prompt_ids)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     batch = runner.table.batch_sizes[0]
     prefill_rows = runner.table.prefill_batch_sizes[0]
     t0 = time.perf_counter()
-    logits = runner.prefill([PrefillRow(0, prompt_ids)], length_bucket, prefill_rows)
+    table = runner.table
+    first = min(length_bucket, table.max_length)
+    logits = runner.prefill([PrefillRow(0, prompt_ids[:first])], first, prefill_rows)
+    for offset in range(first, len(prompt_ids), table.chunk_length or len(prompt_ids)):
+        part = prompt_ids[offset : offset + table.chunk_length]
+        logits = runner.chunk(0, offset, part, table.kv_for(offset + len(part)))
     token = sampler.sample(logits[0]).token_id
     result = GenerationResult([token], "length", time.perf_counter() - t0)
     tokens = torch.zeros(batch, dtype=torch.long)

@@ -25,8 +25,8 @@ from models.compile import (
     resolve_backend,
     fail_on_recompile,
 )
-from models.masks import decode_mask, sliding_window
-from models.slot_cache import DecodeCache, PrefillCache, SlotStorage
+from models.masks import chunk_mask, decode_mask, sliding_window
+from models.slot_cache import ChunkCache, DecodeCache, PrefillCache, SlotStorage
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,11 @@ class ShapeTable(Protocol):
     def context_length(self) -> int: ...
     @property
     def kv_lengths(self) -> tuple[int, ...]: ...
+
+    @property
+    def chunk_length(self) -> int: ...
+    @property
+    def chunk_kv_lengths(self) -> tuple[int, ...]: ...
 
     def kv_for(self, positions: int) -> int: ...
 
@@ -80,6 +85,25 @@ def _make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None) 
         return out.logits[:, -1]
 
     return _decode_step
+
+
+def _make_chunk_step(dtype: torch.dtype, kinds: list[str], window: int | None) -> Callable[..., torch.Tensor]:
+    def _chunk_step(
+        model: torch.nn.Module, cache: ChunkCache, input_ids: torch.Tensor, slot: torch.Tensor,
+        offset: torch.Tensor, last_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids: [1, c] (right-padded chunk); slot, offset: [1] long; last_idx: [1, 1] index of the
+        chunk's last real token. Returns logits [1, V] there (used only when the chunk ends the prompt)."""
+        cache.slot.copy_(slot)
+        cache.offset.copy_(offset)
+        chunk = input_ids.shape[1]
+        positions = (offset.view(1, 1) + torch.arange(chunk, device=input_ids.device).view(1, chunk))
+        mask = chunk_mask(offset, chunk, cache.kv_length, dtype, kinds, window)
+        out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                    logits_to_keep=last_idx)
+        return out.logits[:, 0]
+
+    return _chunk_step
 
 
 _runner_ids = itertools.count()
@@ -125,7 +149,10 @@ class ModelRunner:
         self._prefill_caches = {
             (p, n): self.storage.prefill_cache(p, n) for p in table.prefill_batch_sizes for n in table.lengths
         }
-        decode = _make_decode_step(self.dtype, self.storage.layer_types, sliding_window(model.config))
+        self._chunk_caches = {kv: self.storage.chunk_cache(kv) for kv in table.chunk_kv_lengths}
+        kinds, window = self.storage.layer_types, sliding_window(model.config)
+        decode = _make_decode_step(self.dtype, kinds, window)
+        chunk = _make_chunk_step(self.dtype, kinds, window)
         if compile_settings.compiles:
             configure_compiler(compile_settings, len(self.keys))
             if compile_settings.backend == "neuron" and compile_settings.cache_dir:
@@ -134,8 +161,9 @@ class ModelRunner:
             suffix = str(next(_runner_ids))
             self._prefill_fn = compile_step(_fresh_copy(_prefill_step, suffix), backend)
             self._decode_fn = compile_step(_fresh_copy(decode, suffix), backend)
+            self._chunk_fn = compile_step(_fresh_copy(chunk, suffix), backend)
         else:
-            self._prefill_fn, self._decode_fn = _prefill_step, decode
+            self._prefill_fn, self._decode_fn, self._chunk_fn = _prefill_step, decode, chunk
 
     @property
     def num_graphs(self) -> int:
@@ -156,6 +184,9 @@ class ModelRunner:
             if key.phase == "decode":
                 zeros = torch.zeros(key.batch, dtype=torch.long)
                 self._run_decode(key.batch, key.length, zeros, zeros)
+            elif key.phase == "chunk":
+                # Slot 0 from position c: what the warm-up's dummy writes there, no request reads.
+                self._run_chunk(key.length, 0, self.table.chunk_length, [0])
             else:
                 self._run_prefill(key.batch, key.length, [PrefillRow(0, [0])] * key.batch, commit=False)
             self.warmed.add((key.phase, key.batch, key.length))
@@ -187,6 +218,12 @@ class ModelRunner:
         if kv is None:
             kv = self.table.kv_for(int(positions.max()) + 1)
         return self._run_decode(batch, kv, tokens, positions)
+
+    def chunk(self, slot: int, offset: int, token_ids: list[int], kv: int) -> torch.Tensor:
+        """Prefill tokens [offset, offset + len(token_ids)) of the prompt in `slot` (whose earlier positions
+        are already cached), padded to the chunk length, attending over the slot's first `kv` positions.
+        Returns logits [1, V] at the last given token."""
+        return self._run_chunk(kv, slot, offset, token_ids)
 
     def _check(self, phase: str, batch: int, length: int) -> Any:
         key = self._known.get((phase, batch, length))
@@ -233,3 +270,16 @@ class ModelRunner:
         if commit:
             self.storage.commit(cache, [r.slot for r in rows], [len(r.token_ids) for r in rows])
         return logits
+
+    def _run_chunk(self, kv: int, slot: int, offset: int, token_ids: list[int]) -> torch.Tensor:
+        key = self._check("chunk", 1, kv)
+        c = self.table.chunk_length
+        n = len(token_ids)
+        if not 0 < n <= c or offset % c or offset + c > self.table.context_length or offset + n > kv:
+            raise ValueError(f"a chunk of {n} tokens at offset {offset} does not fit chunk length {c} and KV {kv}")
+        ids = torch.zeros(1, c, dtype=torch.long)
+        ids[0, :n] = torch.tensor(token_ids, dtype=torch.long)
+        dev = self.device
+        args = (ids.to(dev), torch.tensor([slot], device=dev), torch.tensor([offset], device=dev),
+                torch.tensor([[n - 1]], device=dev))
+        return self._call(self._chunk_fn, key, self._chunk_caches[kv], *args)

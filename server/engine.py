@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any
 
 from buckets import PromptTooLongError
-from buckets.scheduler import DecodeStep, PrefillStep, QueueFullError as _SchedulerQueueFull, Scheduler, Sequence
+from buckets.scheduler import ChunkStep, DecodeStep, PrefillStep, QueueFullError as _SchedulerQueueFull, Scheduler, Sequence, Step
 from models.sampling import SampledToken, SamplingParams
 from server.engine_model import CacheMissingError, EngineModel
 from server.hooks import SafeHooks
@@ -204,11 +204,15 @@ class Engine:
                         self._publish_load()
                         self._wake.wait(0.5)
                         continue
-                    prompts = self._start(step) if isinstance(step, PrefillStep) else {}
+                    prompts = self._start(step) if isinstance(step, PrefillStep) else self._prompts(step)
+                    stalls = self._scheduler.num_decoding if step is not None and not isinstance(step, DecodeStep) else 0
                 for rid in expired:
                     self.abort(rid, "timeout", "request timed out")
                 if step is not None:
+                    t0 = time.monotonic()
                     self._run(step, prompts)
+                    if stalls:
+                        self.metrics.decode_stalled(time.monotonic() - t0)
         except Exception as exc:  # noqa: BLE001 - the engine cannot continue: /health turns 503
             log.exception("engine loop failed")
             self._failed = f"{type(exc).__name__}: {exc}"
@@ -228,19 +232,25 @@ class Engine:
             self.metrics.request_started(seq.bucket, now - active.arrival)
         return prompts
 
-    def _run(self, step: PrefillStep | DecodeStep, prompts: dict[str, list[int]]) -> None:
+    def _prompts(self, step: Step) -> dict[str, list[int]]:
+        """Lock held: the prompts a chunk step reads (a decode step reads none)."""
+        if isinstance(step, ChunkStep):
+            return {step.seq.request_id: self._active[step.seq.request_id].prompt_ids}
+        return {}
+
+    def _run(self, step: Step, prompts: dict[str, list[int]]) -> None:
         try:
-            logits = self.model.run_step(step, prompts.__getitem__)  # [len(step.seqs), V] on the host
+            logits = self.model.run_step(step, prompts.__getitem__)  # [len(step.sampling_seqs), V] on the host
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
             log.exception("step %s failed", type(step).__name__)
             for seq in step.seqs:
                 self._finish_error(seq.request_id, f"{type(exc).__name__}: {exc}")
             return
         with self._lock:
-            owners = [self._active.get(seq.request_id) for seq in step.seqs]
+            owners = [self._active.get(seq.request_id) for seq in step.sampling_seqs]
         # Sampling runs outside the lock: each sampler belongs to its request and to this thread alone.
         sampled: dict[str, SampledToken] = {}
-        for seq, active, row in zip(step.seqs, owners, logits):
+        for seq, active, row in zip(step.sampling_seqs, owners, logits):
             if active is None:
                 continue  # aborted while the step ran
             try:

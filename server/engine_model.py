@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from buckets import BucketTable, GraphKey
-from buckets.scheduler import DecodeStep, PrefillStep
+from buckets.scheduler import ChunkStep, PrefillStep, Step
 from models.hardware import resolve_dtype, resolve_num_threads
 from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key
 from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
@@ -133,17 +133,26 @@ class EngineModel:
                  "buckets": self.table.to_dict(), "threads": self.num_threads}
         return os.path.join(root, cache_key(parts))
 
-    def run_step(self, step: PrefillStep | DecodeStep, prompt_of: Callable[[str], list[int]]) -> torch.Tensor:
-        """Runs the graph for one scheduler step; returns logits [len(step.seqs), V], float32 on the host
-        (one device-to-host copy per step)."""
+    def run_step(self, step: Step, prompt_of: Callable[[str], list[int]]) -> torch.Tensor:
+        """Runs the graph for one scheduler step; returns logits [len(step.sampling_seqs), V], float32 on the
+        host (one device-to-host copy per step; none for a chunk that does not end its prompt)."""
         assert self.runner is not None
         t0 = time.perf_counter()
         if isinstance(step, PrefillStep):
-            rows = [PrefillRow(seq.slot, prompt_of(seq.request_id)) for seq in step.seqs]
+            # A chunked prompt's first chunk is its first `length` tokens.
+            rows = [PrefillRow(seq.slot, prompt_of(seq.request_id)[: step.length]) for seq in step.seqs]
             logits = self.runner.prefill(rows, step.length, step.batch)
-            host = logits.float().cpu()
+            ends = [i for i, seq in enumerate(step.seqs) if seq.prompt_len <= step.length]
+            host = logits[ends].float().cpu()
             key = GraphKey("prefill", step.batch, step.length)
             self.metrics.prefill_done(key, len(rows), step.padding_tokens, time.perf_counter() - t0)
+            return host
+        if isinstance(step, ChunkStep):
+            seq = step.seq
+            part = prompt_of(seq.request_id)[step.offset : step.offset + step.num_tokens]
+            logits = self.runner.chunk(seq.slot, step.offset, part, step.kv)
+            host = logits.float().cpu() if step.is_final else logits[:0].float()
+            self.metrics.chunk_done(GraphKey("chunk", 1, step.kv), step.padding_tokens, time.perf_counter() - t0)
             return host
         # Row i of a decode batch is slot i; free slots run as dummies (token 0 at position 0).
         slots = torch.tensor([seq.slot for seq in step.seqs], dtype=torch.long)
@@ -151,6 +160,8 @@ class EngineModel:
         positions = torch.zeros(step.batch, dtype=torch.long)
         tokens[slots] = torch.tensor([seq.last_token for seq in step.seqs], dtype=torch.long)
         positions[slots] = torch.tensor([seq.position for seq in step.seqs], dtype=torch.long)
+        for slot, position in step.parked:  # a slot mid-chunking: its dummy write lands where its next chunk writes
+            positions[slot] = position
         logits = self.runner.decode(step.batch, tokens, positions, step.kv)
         host = logits[slots.to(logits.device)].float().cpu()
         self.metrics.decode_step_done(step.batch, len(step.seqs), time.perf_counter() - t0, step.padding_rows)

@@ -77,9 +77,10 @@ class Metrics:
         def histogram(name: str, doc: str, edges: tuple[float, ...], labels: Iterable[str] = ()) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, registry=registry, buckets=edges)
 
-        lengths = table.lengths
+        lengths = table.request_lengths  # request buckets: length buckets, then chunk multiples
         graph_keys = list(table.graph_keys())
         self._prefill_keys = frozenset(k for k in graph_keys if k.phase == "prefill")
+        self._chunk_keys = frozenset(k for k in graph_keys if k.phase == "chunk")
         self._batch_sizes = frozenset(table.batch_sizes)
 
         # -- compilation ---------------------------------------------------------------------------
@@ -129,6 +130,14 @@ class Metrics:
         self._prefill_seconds = histogram("prefill_seconds", "Seconds per prefill graph call.", config.prefill_buckets)
         self._decode_step = histogram(
             "decode_step_seconds", "Seconds per decode graph call.", config.decode_step_buckets
+        )
+        self._decode_stall = histogram(
+            "decode_stall_seconds", "Seconds decoding rows waited behind one prefill or chunk step.",
+            config.decode_step_buckets,
+        )
+        self._prefill_chunks = histogram(
+            "prefill_chunks", "Prefill graph calls per request (1 unless its prompt was chunked).",
+            tuple(float(n) for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)),
         )
 
         # -- load ----------------------------------------------------------------------------------
@@ -189,6 +198,25 @@ class Metrics:
         if padding_tokens:
             self._padding_prefill.inc(padding_tokens)
         self._prefill_seconds.observe(seconds)
+
+    def chunk_done(self, key: GraphKey, padding_tokens: int, seconds: float) -> None:
+        """One chunk graph call of a chunked prefill; `padding_tokens` pad the last chunk of a prompt."""
+        if key not in self._chunk_keys:
+            raise ValueError(f"{key} is not a chunk graph of the bucket table")
+        _check_count("padding_tokens", padding_tokens, 0, self.table.chunk_length - 1)
+        _check_seconds("seconds", seconds)
+        if padding_tokens:
+            self._padding_prefill.inc(padding_tokens)
+        self._prefill_seconds.observe(seconds)
+
+    def decode_stalled(self, seconds: float) -> None:
+        """Decoding rows waited `seconds` for a prefill or chunk step between two of their tokens."""
+        _check_seconds("seconds", seconds)
+        self._decode_stall.observe(seconds)
+
+    def prefill_chunks(self, chunks: int) -> None:
+        _check_count("chunks", chunks, 1)
+        self._prefill_chunks.observe(chunks)
 
     def decode_step_done(self, batch: int, active: int, seconds: float, padding_rows: int) -> None:
         """One decode graph call on batch bucket `batch` with `active` real rows; every pad row costs

@@ -33,6 +33,7 @@ class ActiveRequest:
         if self.first_token_at == 0.0:
             self.first_token_at = now
             metrics.first_token(self.seq.bucket, now - self.arrival)
+            metrics.prefill_chunks(self.seq.num_chunks)
         else:
             self.gaps.append(now - self.last_token_at)
         self.last_token_at = now

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from buckets import BucketTable, PromptTooLongError
-from buckets.scheduler import DecodeStep, PrefillStep, QueueFullError, Scheduler, Sequence
+from buckets.scheduler import ChunkStep, DecodeStep, PrefillStep, QueueFullError, Scheduler, Sequence
 
 TABLE = BucketTable(lengths=(8, 16, 32), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2), context_length=64)
 
@@ -158,3 +158,95 @@ def test_decode_kv_bucket_covers_longest_live_row_and_shrinks_when_it_finishes()
     assert (16, ["long", "short"]) in kvs
     last_with_long = max(i for i, (_, ids) in enumerate(kvs) if "long" in ids)
     assert kvs[last_with_long][0] == 32 and kvs[last_with_long + 1] == (16, ["short"])
+
+
+CHUNKED = BucketTable(lengths=(4, 8), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2), context_length=64,
+                      kv_lengths=(16, 32, 64), chunked_prefill=True)
+
+
+def drive(s: Scheduler, limit: int = 200) -> list[tuple[str, tuple[str, ...]]]:
+    """Run the scheduler to idle; returns (step kind, request ids) per step."""
+    out = []
+    while (step := s.schedule()) is not None and len(out) < limit:
+        out.append((type(step).__name__, tuple(q.request_id for q in step.seqs)))
+        s.update(step, {q.request_id: 7 for q in step.sampling_seqs})
+    return out
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_yields_its_token_at_the_last() -> None:
+    s = Scheduler(CHUNKED)
+    long = seq("long", 21, max_tokens=2)  # chunks of 8: [0, 8) prefill, [8, 16) and [16, 21) chunk steps
+    s.add(long)
+    assert long.bucket == 24  # rounded up to a multiple of the chunk length
+    first = s.schedule()
+    assert isinstance(first, PrefillStep) and first.length == 8 and first.sampling_seqs == ()
+    s.update(first, {})
+    assert long.prefilled == 8 and long.num_generated == 0
+    second = s.schedule()
+    assert isinstance(second, ChunkStep) and (second.offset, second.num_tokens, second.kv) == (8, 8, 16)
+    assert not second.is_final
+    s.update(second, {})
+    third = s.schedule()
+    assert isinstance(third, ChunkStep) and (third.offset, third.num_tokens, third.kv) == (16, 5, 32)
+    assert third.is_final and third.padding_tokens == 3
+    s.update(third, {"long": 9})
+    assert long.is_decoding and long.last_token == 9 and long.position == 21 and long.num_chunks == 3
+
+
+def test_never_two_chunks_in_a_row_while_a_row_decodes() -> None:
+    s = Scheduler(CHUNKED)
+    s.add(seq("short", 3, max_tokens=30))
+    s.add(seq("long", 60, max_tokens=2))
+    steps = drive(s)
+    kinds = [k for k, _ in steps]
+    decoding_short = [i for i, (k, ids) in enumerate(steps) if k == "DecodeStep" and "short" in ids]
+    for i in range(1, len(steps)):
+        both_prefill = kinds[i] != "DecodeStep" and kinds[i - 1] != "DecodeStep"
+        assert not (both_prefill and decoding_short and decoding_short[0] < i < decoding_short[-1])
+    assert kinds.count("ChunkStep") == 7  # 60 tokens: one prefill of 8, then 7 chunks
+    # The short request was decoding throughout: every chunk has a decode step right after it.
+    for i, kind in enumerate(kinds[:-1]):
+        if kind == "ChunkStep" and decoding_short[-1] > i:
+            assert kinds[i + 1] == "DecodeStep"
+
+
+def test_the_chunking_request_goes_before_later_arrivals() -> None:
+    s = Scheduler(CHUNKED)
+    s.add(seq("long", 30, max_tokens=2))
+    s.add(seq("short", 3, max_tokens=5))
+    s.update(s.schedule(), {})  # first chunk of "long" into slot 0
+    step = s.schedule()  # FCFS: the chunking request, older than "short", goes on first
+    assert isinstance(step, ChunkStep)
+    s.update(step, {})
+    step = s.schedule()
+    assert isinstance(step, ChunkStep)  # still nothing decodes, chunks continue back to back
+    s.update(step, {})
+    step = s.schedule()
+    assert isinstance(step, ChunkStep) and step.is_final
+    s.update(step, {"long": 5})
+    step = s.schedule()  # "long" decodes its second (last) token, then "short" takes the freed slot 0
+    assert isinstance(step, DecodeStep) and [q.request_id for q in step.seqs] == ["long"]
+    s.update(step, {"long": 6})
+    step = s.schedule()
+    assert isinstance(step, PrefillStep) and step.seqs[0].request_id == "short" and step.seqs[0].slot == 0
+
+
+def test_parked_rows_and_abort_between_chunks() -> None:
+    s = Scheduler(CHUNKED)
+    s.add(seq("once", 3, max_tokens=1))
+    s.add(seq("short", 3, max_tokens=20))
+    s.update(s.schedule(), {"once": 5, "short": 5})  # both prefilled; "once" ends, "short" decodes in slot 1
+    long = seq("long", 40, max_tokens=2)
+    s.add(long)
+    parked_seen = 0
+    for _ in range(5):  # decode, prefill (first chunk), decode, chunk, decode
+        step = s.schedule()
+        if isinstance(step, DecodeStep):
+            assert [q.request_id for q in step.seqs] == ["short"] and step.batch == 2  # chunking rows never decode
+            if long.slot == 0:  # inside the batch: its dummy row writes where its next chunk will write first
+                assert step.parked == ((0, long.prefilled),)
+                parked_seen += 1
+        s.update(step, {q.request_id: 7 for q in step.sampling_seqs})
+    assert parked_seen == 2 and long.slot == 0 and 0 < long.prefilled < 40
+    assert s.abort("long") is long and 0 in s.free_slots()  # aborted between chunks: the slot is free at once
+    assert not any(isinstance(s.schedule(), ChunkStep) for _ in range(3))

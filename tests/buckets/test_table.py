@@ -109,3 +109,22 @@ def test_parse_sizes() -> None:
     assert parse_sizes("64, 128,256") == (64, 128, 256)
     with pytest.raises(BucketError):
         parse_sizes("64,abc")
+
+
+def test_chunked_prefill_routes_long_prompts_to_chunk_multiples() -> None:
+    table = BucketTable.default(2048, chunk_length=256)
+    assert table.lengths == (64, 128, 256) and table.chunked_prefill and table.chunk_length == 256
+    assert [table.length_for(n) for n in (1, 256, 257, 512, 513, 2048)] == [64, 256, 512, 512, 768, 2048]
+    assert table.request_lengths == (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+    assert table.chunk_kv_lengths == (1024, 2048)  # a chunk after the first reaches past position 256
+    chunk_keys = [k for k in table.graph_keys() if k.phase == "chunk"]
+    assert chunk_keys == [GraphKey("chunk", 1, 1024), GraphKey("chunk", 1, 2048)]
+    assert chunk_keys[0].bucket == "kv1024" and table.num_graphs == 4 * 3 + 2 + 3 == len(list(table.graph_keys()))
+    with pytest.raises(PromptTooLongError, match="2049 tokens, more than the limit of 2048"):
+        table.length_for(2049)
+    with pytest.raises(BucketError, match="multiple of the chunk"):
+        BucketTable(lengths=(64, 96), context_length=200, chunked_prefill=True)
+    assert BucketTable.from_dict(table.to_dict()) == table
+    unchunked = BucketTable.default(2048)
+    assert unchunked.chunk_length == 0 and unchunked.request_lengths == unchunked.lengths
+    assert BucketTable.default(256, chunk_length=256).chunked_prefill is False  # nothing to chunk

@@ -35,6 +35,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bucketserve_queue_wait_seconds": ("histogram", ()),
     "bucketserve_prefill_seconds": ("histogram", ()),
     "bucketserve_decode_step_seconds": ("histogram", ()),
+    "bucketserve_decode_stall_seconds": ("histogram", ()),
+    "bucketserve_prefill_chunks": ("histogram", ()),
     # load
     "bucketserve_requests_running": ("gauge", ()),
     "bucketserve_requests_waiting": ("gauge", ()),

@@ -74,6 +74,39 @@ def test_decode_logits_do_not_depend_on_the_kv_bucket(compiled) -> None:
         torch.testing.assert_close(other[0], outs[0][0], rtol=1e-5, atol=1e-5)
 
 
+CHUNKED = BucketTable(lengths=(4, 8), batch_sizes=(1, 2), prefill_batch_sizes=(1,), context_length=48,
+                      kv_lengths=(16, 24, 48), chunked_prefill=True)
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_llama: str) -> tuple[ModelRunner, torch.nn.Module]:
+    model = load_model(tiny_llama, "float32", "cpu")
+    runner = ModelRunner(model, CHUNKED, CompileSettings(backend="dynamo-eager"))
+    runner.warmup()
+    yield runner, model
+    runner.stop_serving()
+
+
+@pytest.mark.parametrize("n", [7, 8, 9, 16, 17, 30])  # c - 1, c, c + 1, 2c, 2c + 1, several chunks
+def test_chunked_prefill_matches_generate_at_chunk_boundaries(chunked, n: int) -> None:
+    runner, model = chunked
+    ids = random.Random(100 + n).choices(range(5, 400), k=n)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    got = generate_one(runner, ids, params, CHUNKED.length_for(n))
+    assert got.token_ids == reference(model, ids, 10)
+    assert runner.accountant.count("serving") == 0
+
+
+def test_chunk_logits_equal_the_unchunked_prefill(chunked, compiled) -> None:
+    """The same 16-token prompt: one prefill call (unchunked table) vs prefill + one chunk."""
+    ids = random.Random(5).choices(range(5, 400), k=16)
+    runner, _ = chunked
+    runner.prefill([PrefillRow(1, ids[:8])], 8, 1)
+    chunk_logits = runner.chunk(1, 8, ids[8:], 16)
+    whole = compiled[0].prefill([PrefillRow(0, ids)], 16, 1)
+    torch.testing.assert_close(chunk_logits[0], whole[0], rtol=1e-4, atol=1e-4)
+
+
 def test_no_compilation_after_warmup_for_random_requests(compiled) -> None:
     runner, _ = compiled
     warm = runner.accountant.count()

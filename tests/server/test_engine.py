@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from buckets import BucketTable
 from models.sampling import SamplingParams
 from server.engine import Engine, QueueFullError
 from server.testing import TINY_TABLE, tiny_engine, tiny_settings
@@ -188,3 +189,61 @@ def test_token_ids_outside_the_embedding_table_are_refused(tmp_path) -> None:
             engine.stop()
 
     asyncio.run(main())
+
+
+CHUNKED_TABLE = BucketTable(lengths=(8, 16), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2), context_length=128,
+                            kv_lengths=(32, 128), chunked_prefill=True)
+
+
+def test_chunked_prefill_interleaved_with_decoding_requests_matches_solo_runs(tmp_path, reference_model) -> None:
+    """Long prompts at chunk boundaries (c - 1 .. 2c + 1 and several chunks) join while others decode."""
+    rng = random.Random(7)
+    lengths = [15, 16, 17, 32, 33, 70, 3, 9]
+    work = [(rng.choices(range(10, 400), k=n), rng.randint(4, 24)) for n in lengths]
+
+    async def main() -> list[list[int]]:
+        settings = tiny_settings(compile_backend="dynamo-eager")
+        engine = await started(tiny_engine(tmp_path, settings=settings, table=CHUNKED_TABLE))
+        try:
+            handles = []
+            for ids, n in work:
+                handles.append(engine.submit(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))
+                await asyncio.sleep(0.01)
+            results = await asyncio.gather(*(collect(h) for h in handles))
+            assert engine.model.accountant.count("serving") == 0
+            assert engine.model.accountant.count("warmup") == CHUNKED_TABLE.num_graphs
+            return [tokens for tokens, _ in results]
+        finally:
+            engine.stop()
+
+    outputs = asyncio.run(main())
+    for (ids, n), out in zip(work, outputs):
+        assert out == solo(reference_model, ids, n)
+
+
+def test_abort_between_chunks_frees_the_slot_and_leaves_others_unchanged(tmp_path, reference_model) -> None:
+    rng = random.Random(8)
+    other_ids = rng.choices(range(10, 400), k=5)
+    long_ids = rng.choices(range(10, 400), k=100)  # 13 chunks of 8
+
+    async def main() -> list[int]:
+        settings = tiny_settings(compile_backend="dynamo-eager")
+        engine = await started(tiny_engine(tmp_path, settings=settings, table=CHUNKED_TABLE))
+        try:
+            other = engine.submit(other_ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+            it = other.__aiter__()
+            first = await it.__anext__()
+            long = engine.submit(long_ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+            while engine._scheduler.running.get(1) is None or engine._scheduler.running[1].prefilled == 0:
+                await asyncio.sleep(0.001)  # wait until its first chunk is in
+            seq = engine._scheduler.running[1]
+            assert seq.request_id == long.request_id and 0 < seq.prefilled < len(long_ids)
+            long.abort("client")
+            assert 1 in engine._scheduler.free_slots() and engine.num_running() == 1
+            events = [e async for e in long]
+            assert events[-1].finish_reason == "abort" and all(e.token_id is None for e in events)
+            return [first.token_id] + [e.token_id for e in [ev async for ev in it] if e.token_id is not None]
+        finally:
+            engine.stop()
+
+    assert asyncio.run(main()) == solo(reference_model, other_ids, 30)

@@ -345,6 +345,7 @@ def test_info_carries_runtime_facts_and_the_table() -> None:
         "lengths": "64,128,256",
         "batch_sizes": "1,2,4",
         "prefill_batch_sizes": "1,2",
+        "kv_lengths": "256,384",
         "context_length": "384",
     }
     assert val(s, "info", **dict(labels)) == 1

@@ -154,7 +154,8 @@ def test_info_labels(live: Served, checkpoint: str) -> None:
         "version": version, "lengths": ",".join(map(str, TINY_TABLE.lengths)),
         "batch_sizes": ",".join(map(str, TINY_TABLE.batch_sizes)),
         "prefill_batch_sizes": ",".join(map(str, TINY_TABLE.prefill_batch_sizes)),
-        "context_length": str(TINY_TABLE.context_length),
+        "kv_lengths": ",".join(map(str, TINY_TABLE.kv_lengths)),
+        "context_length": str(TINY_TABLE.context_length), "threads": "1",
     }
     assert live.scrape().get("bucketserve_info", **dict(labels)) == 1
 

@@ -106,6 +106,9 @@ def latency() -> list[Panel]:
         timeseries("Queue wait", quantile_targets("bucketserve_queue_wait_seconds"), "s", "arrival to prefill"),
         timeseries("Prefill step", quantile_targets("bucketserve_prefill_seconds"), "s"),
         timeseries("Decode step", quantile_targets("bucketserve_decode_step_seconds"), "s"),
+        timeseries("Decode stall behind prefill", quantile_targets("bucketserve_decode_stall_seconds"), "s",
+                   "decoding rows waiting for one prefill or chunk step (chunked prefill bounds it)"),
+        timeseries("Prefill chunks per request", quantile_targets("bucketserve_prefill_chunks"), "short"),
     ]
 
 
