@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench import modelfiles
+from buckets.table import DEFAULT_BATCH_SIZES
 from bench.prompts import Prompt, TokenizerError
 from bench.runner import RunOptions, TargetRun, failed_target, run_target
 from bench.servers import (
@@ -43,12 +44,8 @@ def parse_names(text: str) -> list[str]:
 
 
 def batch_buckets_up_to(n: int) -> list[int]:
-    """Powers of two below n, closed by n: bucketserve's batch buckets for a given sequence count."""
-    sizes, b = [], 1
-    while b < n:
-        sizes.append(b)
-        b *= 2
-    return sizes + [n]
+    """bucketserve's default batch buckets below n, closed by n: its batch buckets for n sequences."""
+    return [b for b in DEFAULT_BATCH_SIZES if b < n] + [n]
 
 
 def output_bound(dist: LengthDist) -> int:
@@ -79,7 +76,7 @@ class Comparison:
         if dtype and "--dtype" not in extra:
             extra += ["--dtype", dtype]
         seqs = int(getattr(a, "max_num_seqs", 0) or 0)
-        if seqs and "--batch-sizes" not in extra:
+        if seqs and "--batch-sizes" not in extra and batch_buckets_up_to(seqs) != list(DEFAULT_BATCH_SIZES):
             extra += ["--batch-sizes", ",".join(str(b) for b in batch_buckets_up_to(seqs))]
         return extra
 

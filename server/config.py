@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from buckets import BucketError, BucketTable, parse_sizes
+from buckets.table import DEFAULT_BATCH_SIZES
 
 DEFAULT_MODEL = "default"
 # "dynamo-eager" captures graphs with dynamo but runs them eagerly: for tests and debugging only.
@@ -39,7 +40,7 @@ class ServerSettings:
     # bypass the persistent compile cache, so every restart compiles again.
     inductor_freezing: bool = False
     buckets: tuple[int, ...] = ()  # prompt-length buckets; () -> powers of two from 64 to max_model_len
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     prefill_batch_sizes: tuple[int, ...] = (1,)
     kv_buckets: tuple[int, ...] = ()  # decode KV-length buckets; () -> derived from max_model_len
     # Prompts longer than this are prefilled in chunks of it, between decode steps. -1: auto (DEFAULT_CHUNK

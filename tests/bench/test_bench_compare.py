@@ -145,10 +145,12 @@ def test_vllm_gets_the_same_threads_seqs_and_dtype(tmp_path: Path) -> None:
     comp = Comparison(args, ModelFiles("default", "/m.gguf", None), tmp_path, 512)
     b = comp.command("bucketserve")
     assert b.argv[b.argv.index("--dtype") + 1] == "bfloat16"
-    assert b.argv[b.argv.index("--batch-sizes") + 1] == "1,2,4,8,16"
+    assert "--batch-sizes" not in b.argv  # 16 is bucketserve's default largest batch bucket
+    args.max_num_seqs = 12
+    assert comp.command("bucketserve").argv[-1] == "1,4,8,12"
     with pytest.raises(SkipServer, match="make vllm-venv"):
         comp.command("vllm")
-    assert batch_buckets_up_to(12) == [1, 2, 4, 8, 12] and batch_buckets_up_to(1) == [1]
+    assert batch_buckets_up_to(12) == [1, 4, 8, 12] and batch_buckets_up_to(1) == [1]
 
 
 def test_cpu_seconds_counts_a_busy_process() -> None:

@@ -69,8 +69,8 @@ def test_graph_keys_fixed_order_and_count() -> None:
 
 
 def test_kv_buckets_default_route_and_validate() -> None:
-    assert default_kv_lengths(2048) == (256, 1024, 2048)
-    assert default_kv_lengths(4096) == (256, 1024, 4096)
+    assert default_kv_lengths(2048) == (256, 512, 1024, 2048)
+    assert default_kv_lengths(3000) == (256, 512, 1024, 2048, 3000)
     assert default_kv_lengths(100) == (100,)
     table = BucketTable(lengths=(16, 32), context_length=64, kv_lengths=(16, 48, 64))
     # A step needs the longest row's position + 1 positions; a boundary uses that bucket.
@@ -116,10 +116,10 @@ def test_chunked_prefill_routes_long_prompts_to_chunk_multiples() -> None:
     assert table.lengths == (64, 128, 256) and table.chunked_prefill and table.chunk_length == 256
     assert [table.length_for(n) for n in (1, 256, 257, 512, 513, 2048)] == [64, 256, 512, 512, 768, 2048]
     assert table.request_lengths == (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
-    assert table.chunk_kv_lengths == (1024, 2048)  # a chunk after the first reaches past position 256
+    assert table.chunk_kv_lengths == (512, 1024, 2048)  # a chunk after the first reaches past position 256
     chunk_keys = [k for k in table.graph_keys() if k.phase == "chunk"]
-    assert chunk_keys == [GraphKey("chunk", 1, 1024), GraphKey("chunk", 1, 2048)]
-    assert chunk_keys[0].bucket == "kv1024" and table.num_graphs == 4 * 3 + 2 + 3 == len(list(table.graph_keys()))
+    assert chunk_keys == [GraphKey("chunk", 1, kv) for kv in (512, 1024, 2048)]
+    assert chunk_keys[0].bucket == "kv512" and table.num_graphs == 4 * 4 + 3 + 3 == len(list(table.graph_keys()))
     with pytest.raises(PromptTooLongError, match="2049 tokens, more than the limit of 2048"):
         table.length_for(2049)
     with pytest.raises(BucketError, match="multiple of the chunk"):

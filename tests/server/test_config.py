@@ -39,7 +39,7 @@ def test_bucket_table_never_exceeds_the_model_or_max_model_len() -> None:
 
 
 def test_kv_buckets_flag_env_and_context_closing() -> None:
-    assert ServerSettings().bucket_table(8192).kv_lengths == (256, 1024, 2048)
+    assert ServerSettings().bucket_table(8192).kv_lengths == (256, 512, 1024, 2048)
     assert parse(["--kv-buckets", "128,512"], {}).bucket_table(8192).kv_lengths == (128, 512, 2048)
     assert parse([], {"BUCKETSERVE_KV_BUCKETS": "512"}).bucket_table(1024).kv_lengths == (512, 1024)
     with pytest.raises(SettingsError, match="kv_lengths"):
