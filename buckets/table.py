@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
 
-Phase = Literal["prefill", "decode", "chunk"]
+Phase = Literal["prefill", "decode", "chunk", "sample"]
 
 
 class BucketError(ValueError):
@@ -41,7 +41,8 @@ class BatchTooLargeError(ValueError):
 class GraphKey:
     """Identifies one compiled graph: prefill graphs by (rows, length bucket), decode graphs by
     (rows, KV-length bucket): a decode graph attends over the first `length` positions of each slot;
-    chunk graphs (one row, one chunk of the chunk length) by the KV-length bucket they attend over."""
+    chunk graphs (one row, one chunk of the chunk length) by the KV-length bucket they attend over;
+    sampling graphs by the rows of logits they sample (every decode and prefill batch bucket)."""
 
     phase: Phase
     batch: int
@@ -54,6 +55,8 @@ class GraphKey:
             return f"b{self.batch}_kv{self.length}"
         if self.phase == "chunk":
             return f"kv{self.length}"
+        if self.phase == "sample":
+            return f"b{self.batch}"
         return f"b{self.batch}_l{self.length}"
 
     def __str__(self) -> str:
@@ -166,6 +169,11 @@ class BucketTable:
         """KV buckets a chunk graph may need: a chunk after the first reaches past position c."""
         return tuple(kv for kv in self.kv_lengths if kv > self.chunk_length) if self.chunk_length else ()
 
+    @property
+    def sample_batch_sizes(self) -> tuple[int, ...]:
+        """Row counts of the logits a step can return: decode batch buckets and prefill batch buckets."""
+        return tuple(sorted(set(self.batch_sizes) | set(self.prefill_batch_sizes)))
+
     def length_for(self, n: int) -> int:
         """Smallest request bucket >= n. A prompt exactly at a boundary uses that bucket."""
         if n < 1:
@@ -209,6 +217,8 @@ class BucketTable:
                 yield GraphKey("decode", b, kv)
         for kv in self.chunk_kv_lengths:
             yield GraphKey("chunk", 1, kv)
+        for rows in self.sample_batch_sizes:
+            yield GraphKey("sample", rows, 0)
         for length in self.lengths:
             for p in self.prefill_batch_sizes:
                 yield GraphKey("prefill", p, length)
@@ -216,7 +226,7 @@ class BucketTable:
     @property
     def num_graphs(self) -> int:
         return (len(self.batch_sizes) * len(self.kv_lengths) + len(self.chunk_kv_lengths)
-                + len(self.lengths) * len(self.prefill_batch_sizes))
+                + len(self.sample_batch_sizes) + len(self.lengths) * len(self.prefill_batch_sizes))
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod

@@ -12,7 +12,7 @@ import logging
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -26,6 +26,7 @@ from models.compile import (
     fail_on_recompile,
 )
 from models.masks import chunk_mask, decode_mask, sliding_window
+from models.sample_graph import SampleInputs, sample_rows
 from models.slot_cache import ChunkCache, DecodeCache, PrefillCache, SlotStorage
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class ShapeTable(Protocol):
     def chunk_length(self) -> int: ...
     @property
     def chunk_kv_lengths(self) -> tuple[int, ...]: ...
+    @property
+    def sample_batch_sizes(self) -> tuple[int, ...]: ...
 
     def kv_for(self, positions: int) -> int: ...
 
@@ -106,6 +109,11 @@ def _make_chunk_step(dtype: torch.dtype, kinds: list[str], window: int | None) -
     return _chunk_step
 
 
+def _sample_step(model: torch.nn.Module, logits: torch.Tensor, inputs: SampleInputs) -> tuple[torch.Tensor, ...]:
+    """The sampling graph (model unused: every step function takes it first)."""
+    return sample_rows(logits, inputs)
+
+
 _runner_ids = itertools.count()
 
 
@@ -150,6 +158,9 @@ class ModelRunner:
             (p, n): self.storage.prefill_cache(p, n) for p in table.prefill_batch_sizes for n in table.lengths
         }
         self._chunk_caches = {kv: self.storage.chunk_cache(kv) for kv in table.chunk_kv_lengths}
+        self.sample_inputs = {rows: SampleInputs.allocate(rows, self.device) for rows in table.sample_batch_sizes}
+        out = model.get_output_embeddings()
+        self.vocab_size = int(out.weight.shape[0]) if out is not None else int(model.config.vocab_size)
         kinds, window = self.storage.layer_types, sliding_window(model.config)
         decode = _make_decode_step(self.dtype, kinds, window)
         chunk = _make_chunk_step(self.dtype, kinds, window)
@@ -162,8 +173,10 @@ class ModelRunner:
             self._prefill_fn = compile_step(_fresh_copy(_prefill_step, suffix), backend)
             self._decode_fn = compile_step(_fresh_copy(decode, suffix), backend)
             self._chunk_fn = compile_step(_fresh_copy(chunk, suffix), backend)
+            self._sample_fn = compile_step(_fresh_copy(_sample_step, suffix), backend)
         else:
             self._prefill_fn, self._decode_fn, self._chunk_fn = _prefill_step, decode, chunk
+            self._sample_fn = _sample_step
 
     @property
     def num_graphs(self) -> int:
@@ -184,6 +197,8 @@ class ModelRunner:
             if key.phase == "decode":
                 zeros = torch.zeros(key.batch, dtype=torch.long)
                 self._run_decode(key.batch, key.length, zeros, zeros)
+            elif key.phase == "sample":
+                self._run_sample(torch.zeros(key.batch, self.vocab_size, dtype=self.dtype, device=self.device))
             elif key.phase == "chunk":
                 # Slot 0 from position c: what the warm-up's dummy writes there, no request reads.
                 self._run_chunk(key.length, 0, self.table.chunk_length, [0])
@@ -224,6 +239,19 @@ class ModelRunner:
         are already cached), padded to the chunk length, attending over the slot's first `kv` positions.
         Returns logits [1, V] at the last given token."""
         return self._run_chunk(kv, slot, offset, token_ids)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[tuple[float, int, float, float, int, int] | None]
+               ) -> tuple[torch.Tensor, ...]:
+        """logits: [R, V] as a step returned them (R a row bucket); rows: (temperature, top_k, top_p, min_p, seed,
+        position) per row (None: greedy). Returns (ids [R], logprob [R], top ids [R, 20], top logprobs
+        [R, 20], exact_on_host [R]) from the sampling graph of R rows, still on the device."""
+        self.sample_inputs[logits.shape[0]].fill(rows)
+        return self._run_sample(logits)
+
+    def _run_sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = logits.shape[0]
+        key = self._check("sample", rows, 0)
+        return self._call(self._sample_fn, key, logits, self.sample_inputs[rows])  # type: ignore[return-value]
 
     def _check(self, phase: str, batch: int, length: int) -> Any:
         key = self._known.get((phase, batch, length))

@@ -85,15 +85,19 @@ class SampledToken:
 
 
 class Sampler:
-    """Samples one row at a time; each request owns a generator so its seed alone decides its text,
-    whatever else shares the batch."""
+    """A request's sampling state. `seed` feeds the sampling graph's noise (with the token's position); the
+    host path below (penalties, and rows the graph cannot sample exactly) samples one row at a time with a
+    generator of its own. Either way the request's seed alone decides its text, whatever shares the batch."""
+
+    SEED_RANGE = 2**31 - 1  # the sampling graph hashes seeds modulo this prime
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int]) -> None:
         self.params = params
         self._generator: torch.Generator | None = None
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        self.seed = seed % self.SEED_RANGE
         if not params.is_greedy:
             self._generator = torch.Generator(device="cpu")
-            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
             self._generator.manual_seed(seed)
         self._prompt_ids = prompt_ids
         self._counts: dict[int, int] = {}

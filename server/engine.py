@@ -240,7 +240,7 @@ class Engine:
 
     def _run(self, step: Step, prompts: dict[str, list[int]]) -> None:
         try:
-            logits = self.model.run_step(step, prompts.__getitem__)  # [len(step.sampling_seqs), V] on the host
+            logits = self.model.run_step(step, prompts.__getitem__)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
             log.exception("step %s failed", type(step).__name__)
             for seq in step.seqs:
@@ -249,14 +249,13 @@ class Engine:
         with self._lock:
             owners = [self._active.get(seq.request_id) for seq in step.sampling_seqs]
         # Sampling runs outside the lock: each sampler belongs to its request and to this thread alone.
+        tokens = self.model.sample(step.sampling_seqs, [a.sampler if a else None for a in owners], logits)
         sampled: dict[str, SampledToken] = {}
-        for seq, active, row in zip(step.sampling_seqs, owners, logits):
-            if active is None:
-                continue  # aborted while the step ran
-            try:
-                sampled[seq.request_id] = active.sampler.sample(row)
-            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
-                self._finish_error(seq.request_id, f"sampling failed: {exc}")
+        for seq, token in zip(step.sampling_seqs, tokens):
+            if isinstance(token, Exception):  # one request's failure is that request's alone
+                self._finish_error(seq.request_id, f"sampling failed: {token}")
+            elif token is not None:
+                sampled[seq.request_id] = token
         now = time.monotonic()
         out: list[tuple[ActiveRequest, TokenEvent]] = []
         with self._lock:

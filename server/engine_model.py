@@ -17,14 +17,15 @@ from typing import Any, Callable
 import torch
 
 from buckets import BucketTable, GraphKey
-from buckets.scheduler import ChunkStep, PrefillStep, Step
+from buckets.scheduler import ChunkStep, PrefillStep, Sequence, Step
 from models.hardware import resolve_dtype, resolve_num_threads
 from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key
 from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
 from models.runner import ModelRunner, PrefillRow
-from models.sampling import Sampler, SamplingParams
+from models.sampling import SampledToken, Sampler, SamplingParams
 from server.config import ServerSettings
 from server.hooks import SafeHooks
+from server.step_sampling import StepLogits, sample_step
 
 log = logging.getLogger("bucketserve.warmup")
 
@@ -133,9 +134,9 @@ class EngineModel:
                  "buckets": self.table.to_dict(), "threads": self.num_threads}
         return os.path.join(root, cache_key(parts))
 
-    def run_step(self, step: Step, prompt_of: Callable[[str], list[int]]) -> torch.Tensor:
-        """Runs the graph for one scheduler step; returns logits [len(step.sampling_seqs), V], float32 on the
-        host (one device-to-host copy per step; none for a chunk that does not end its prompt)."""
+    def run_step(self, step: Step, prompt_of: Callable[[str], list[int]]) -> StepLogits:
+        """Runs the graph for one scheduler step. The logits stay where the graph left them (the sampling
+        step reads them there); `rows` says which row belongs to each of step.sampling_seqs."""
         assert self.runner is not None
         t0 = time.perf_counter()
         if isinstance(step, PrefillStep):
@@ -143,17 +144,15 @@ class EngineModel:
             rows = [PrefillRow(seq.slot, prompt_of(seq.request_id)[: step.length]) for seq in step.seqs]
             logits = self.runner.prefill(rows, step.length, step.batch)
             ends = [i for i, seq in enumerate(step.seqs) if seq.prompt_len <= step.length]
-            host = logits[ends].float().cpu()
             key = GraphKey("prefill", step.batch, step.length)
             self.metrics.prefill_done(key, len(rows), step.padding_tokens, time.perf_counter() - t0)
-            return host
+            return StepLogits(logits, ends)
         if isinstance(step, ChunkStep):
             seq = step.seq
             part = prompt_of(seq.request_id)[step.offset : step.offset + step.num_tokens]
             logits = self.runner.chunk(seq.slot, step.offset, part, step.kv)
-            host = logits.float().cpu() if step.is_final else logits[:0].float()
             self.metrics.chunk_done(GraphKey("chunk", 1, step.kv), step.padding_tokens, time.perf_counter() - t0)
-            return host
+            return StepLogits(logits, [0] if step.is_final else [])
         # Row i of a decode batch is slot i; free slots run as dummies (token 0 at position 0).
         slots = torch.tensor([seq.slot for seq in step.seqs], dtype=torch.long)
         tokens = torch.zeros(step.batch, dtype=torch.long)
@@ -163,9 +162,14 @@ class EngineModel:
         for slot, position in step.parked:  # a slot mid-chunking: its dummy write lands where its next chunk writes
             positions[slot] = position
         logits = self.runner.decode(step.batch, tokens, positions, step.kv)
-        host = logits[slots.to(logits.device)].float().cpu()
         self.metrics.decode_step_done(step.batch, len(step.seqs), time.perf_counter() - t0, step.padding_rows)
-        return host
+        return StepLogits(logits, [seq.slot for seq in step.seqs])
+
+    def sample(self, seqs: tuple[Sequence, ...], samplers: list[Sampler | None], out: StepLogits
+               ) -> list[SampledToken | Exception | None]:
+        """One token per sampling row of a step (None for a request aborted meanwhile)."""
+        assert self.runner is not None
+        return sample_step(self.runner, seqs, samplers, out)
 
     def close(self) -> None:
         if self.runner is not None:

@@ -62,10 +62,11 @@ def test_graph_keys_fixed_order_and_count() -> None:
                         kv_lengths=(32, 64))
     keys = list(table.graph_keys())
     assert keys[:6] == [GraphKey("decode", b, kv) for b in (1, 2, 4) for kv in (32, 64)]
-    assert keys[6:] == [GraphKey("prefill", 1, 16), GraphKey("prefill", 2, 16),
+    assert keys[6:9] == [GraphKey("sample", rows, 0) for rows in (1, 2, 4)]  # one per row bucket of logits
+    assert keys[9:] == [GraphKey("prefill", 1, 16), GraphKey("prefill", 2, 16),
                         GraphKey("prefill", 1, 32), GraphKey("prefill", 2, 32)]
-    assert table.num_graphs == len(keys) == len(set(keys)) == 10
-    assert keys[0].bucket == "b1_kv32" and keys[6].bucket == "b1_l16"
+    assert table.num_graphs == len(keys) == len(set(keys)) == 13
+    assert keys[0].bucket == "b1_kv32" and keys[6].bucket == "b1" and keys[9].bucket == "b1_l16"
 
 
 def test_kv_buckets_default_route_and_validate() -> None:
@@ -119,7 +120,7 @@ def test_chunked_prefill_routes_long_prompts_to_chunk_multiples() -> None:
     assert table.chunk_kv_lengths == (512, 1024, 2048)  # a chunk after the first reaches past position 256
     chunk_keys = [k for k in table.graph_keys() if k.phase == "chunk"]
     assert chunk_keys == [GraphKey("chunk", 1, kv) for kv in (512, 1024, 2048)]
-    assert chunk_keys[0].bucket == "kv512" and table.num_graphs == 4 * 4 + 3 + 3 == len(list(table.graph_keys()))
+    assert chunk_keys[0].bucket == "kv512" and table.num_graphs == 4 * 4 + 3 + 4 + 3 == len(list(table.graph_keys()))
     with pytest.raises(PromptTooLongError, match="2049 tokens, more than the limit of 2048"):
         table.length_for(2049)
     with pytest.raises(BucketError, match="multiple of the chunk"):

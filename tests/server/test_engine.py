@@ -147,7 +147,8 @@ def test_failure_in_one_request_keeps_engine_serving(tmp_path, monkeypatch) -> N
 
         monkeypatch.setattr(engine.model, "sampler", sampler)
         try:
-            bad = engine.submit([99, 5], SamplingParams(max_tokens=5, temperature=0))
+            # A penalty sends the row to the host sampler, which is what the poison replaces.
+            bad = engine.submit([99, 5], SamplingParams(max_tokens=5, temperature=0, repetition_penalty=1.5))
             good = engine.submit([98, 5], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
             (bad_tokens, bad_reason), (good_tokens, good_reason) = await asyncio.gather(collect(bad), collect(good))
             assert bad_reason == "error" and bad_tokens == []

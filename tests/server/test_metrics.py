@@ -108,11 +108,11 @@ def test_scripted_sequence_gives_exact_values() -> None:
     assert val(s, "compile_seconds_sum") == pytest.approx(0.5 * len(keys) + 3.0)
     assert val(s, "compile_seconds_bucket", le="0.5") == len(keys)
     assert val(s, "warmup_seconds") == 12.5
-    assert val(s, "graphs_total") == len(keys) == m.table.num_graphs == 12
+    assert val(s, "graphs_total") == len(keys) == m.table.num_graphs == 15
     assert val(s, "graphs_ready") == len(keys)
     assert val(s, "ready") == 1
-    assert val(s, "compile_cache_hits_total") == 4  # i = 0, 3, 6, 9
-    assert val(s, "compile_cache_misses_total") == 8
+    assert val(s, "compile_cache_hits_total") == 5  # i = 0, 3, 6, 9, 12
+    assert val(s, "compile_cache_misses_total") == 10
 
     # shapes
     assert val(s, "bucket_requests_total", bucket="64") == 1
@@ -194,7 +194,7 @@ def test_series_exist_at_zero_with_bounded_label_sets() -> None:
         for p in ("warmup", "serving")
     }
     assert {dict(ls)["bucket"] for ls in labelsets(s, "graph_compilations_total")} == {
-        "b1_kv256", "b1_kv384", "b2_kv256", "b2_kv384", "b4_kv256", "b4_kv384", "b1_l64", "b2_l64", "b1_l128", "b2_l128", "b1_l256", "b2_l256",
+        "b1_kv256", "b1_kv384", "b2_kv256", "b2_kv384", "b4_kv256", "b4_kv384", "b1", "b2", "b4", "b1_l64", "b2_l64", "b1_l128", "b2_l128", "b1_l256", "b2_l256",
     }  # fmt: skip
     ttft_buckets = {dict(ls)["bucket"] for ls in labelsets(s, "time_to_first_token_seconds_count")}
     assert ttft_buckets == {"64", "128", "256"}

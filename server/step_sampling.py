@@ -1,0 +1,74 @@
+"""One token for every row of a step that ends a prompt or decodes, from the logits where the graph left them.
+
+Three paths, cheapest first:
+- every row greedy and asking no logprobs: the argmax of each row ([rows] ids leave the device);
+- otherwise the compiled sampling graph of the row bucket, for all rows at once (ids, the sampled token's
+  logprob and the top-20 logprobs leave the device, never [rows, vocab] floats);
+- on the host, row by row, for what the graph does not do: repetition / presence / frequency penalties (they
+  need the request's token counts) and rows the graph flags (a top-k past its candidates, a nucleus wider than
+  them). `scripts/bench_sampling.py` measures the three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from buckets.scheduler import Sequence
+from models.runner import ModelRunner
+from models.sampling import SampledToken, Sampler
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    logits: torch.Tensor  # [R, V] on the device, R the step's row bucket
+    rows: list[int]  # row of logits for each sampling sequence of the step, in order
+
+
+def _needs_host(sampler: Sampler) -> bool:
+    return sampler.params.has_penalties
+
+
+def _needs_graph(sampler: Sampler) -> bool:
+    p = sampler.params
+    return not p.is_greedy or p.logprobs is not None
+
+
+def sample_step(runner: ModelRunner, seqs: tuple[Sequence, ...], samplers: list[Sampler | None], out: StepLogits
+                ) -> list[SampledToken | Exception | None]:
+    results: list[SampledToken | Exception | None] = [None] * len(seqs)
+    live = [(i, s) for i, s in enumerate(samplers) if s is not None]
+    on_device = [(i, s) for i, s in live if not _needs_host(s)]
+    host = [(i, s) for i, s in live if _needs_host(s)]
+    if any(_needs_graph(s) for _, s in on_device):
+        rows: list[tuple[float, int, float, float, int, int] | None] = [None] * out.logits.shape[0]
+        for i, s in on_device:
+            p, seq = s.params, seqs[i]
+            rows[out.rows[i]] = (p.temperature, p.top_k, p.top_p, p.min_p, s.seed, seq.prompt_len + seq.num_generated)
+        try:
+            ids, chosen, top_ids, top_lp, on_host = (t.cpu() for t in runner.sample(out.logits, rows))
+        except Exception as exc:  # noqa: BLE001 - these rows fail; the engine keeps serving
+            for i, _ in on_device:
+                results[i] = exc
+            on_device = []
+        else:
+            for i, s in on_device:
+                r = out.rows[i]
+                if bool(on_host[r]):
+                    host.append((i, s))
+                    continue
+                k = s.params.logprobs
+                top = tuple(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist())) if k else ()
+                results[i] = SampledToken(int(ids[r]), float(chosen[r]) if k is not None else None, top)
+    elif on_device:
+        index = torch.tensor([out.rows[i] for i, _ in on_device], device=out.logits.device)
+        greedy = out.logits.index_select(0, index).argmax(dim=-1).tolist()
+        for (i, _), token in zip(on_device, greedy):
+            results[i] = SampledToken(int(token), None, ())
+    for i, s in host:
+        try:
+            results[i] = s.sample(out.logits[out.rows[i]])
+        except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
+            results[i] = exc
+    return results
