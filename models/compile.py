@@ -78,6 +78,9 @@ class CompileAccountant:
     # For backends with no cache counters (TorchNeuron): a compile that adds no file to this directory was
     # served from its cache. "" -> no probe.
     probe_dir: str = ""
+    # A persistent cache is configured: a compile that loaded nothing from it (no cache counter moved, no
+    # probe) is a miss, e.g. inductor with freezing, whose graphs bypass the FX graph cache.
+    cache_enabled: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -93,6 +96,8 @@ class CompileAccountant:
                 hit = new_misses == misses
             elif self.probe_dir:
                 hit = _count_files(self.probe_dir) == files
+            elif self.cache_enabled:
+                hit = False
             self.record(seconds, hit)
             return compiled
 

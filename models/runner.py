@@ -168,6 +168,7 @@ class ModelRunner:
             configure_compiler(compile_settings, len(self.keys))
             if compile_settings.backend == "neuron" and compile_settings.cache_dir:
                 self.accountant.probe_dir = compile_settings.cache_dir  # NEFFs land there on a miss
+            self.accountant.cache_enabled = bool(compile_settings.cache_dir)
             backend = self.accountant.wrap(resolve_backend(compile_settings.backend))
             suffix = str(next(_runner_ids))
             self._prefill_fn = compile_step(_fresh_copy(_prefill_step, suffix), backend)

@@ -105,7 +105,10 @@ def _generate(args: argparse.Namespace) -> int:
     table = model.table
     last_kv = table.kv_for(len(ids) + params.max_tokens)
     decode_keys = [GraphKey("decode", table.batch_sizes[0], kv) for kv in table.kv_lengths if kv <= last_kv]
-    model.load_and_warm([*decode_keys, GraphKey("prefill", table.prefill_batch_sizes[0], bucket)])
+    # A prompt past the largest length bucket is prefilled in chunks: its first chunk, then chunk graphs.
+    chunk_keys = [GraphKey("chunk", 1, kv) for kv in table.chunk_kv_lengths if kv <= last_kv] if bucket > table.max_length else []
+    prefill_key = GraphKey("prefill", table.prefill_batch_sizes[0], min(bucket, table.max_length))
+    model.load_and_warm([*decode_keys, *chunk_keys, prefill_key])
     warm = time.monotonic() - t0
     assert model.runner is not None
     result = generate_one(model.runner, ids, params, bucket, model.eos_token_ids)

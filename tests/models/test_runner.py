@@ -161,3 +161,15 @@ def test_inductor_greedy_matches_generate(tiny_llama: str, freezing: bool) -> No
         got = generate_one(runner, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), 8)
         assert got.token_ids == reference(model, ids, 12)
     assert runner.accountant.count("warmup") == table.num_graphs and runner.accountant.count("serving") == 0
+
+
+def test_generate_command_chunks_a_long_prompt(tiny_llama: str, capsys) -> None:
+    from server.cli import main
+
+    argv = ["generate", "--model", tiny_llama, "--prompt", "the cat sat on the mat " * 8, "--max-tokens", "4",
+            "--compile-backend", "dynamo-eager", "--dtype", "float32", "--buckets", "8,16", "--prefill-chunk-size", "16",
+            "--max-model-len", "128", "--kv-buckets", "32,64", "--compile-cache-dir", "none", "--num-threads", "1"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    # 48 prompt tokens: request bucket 48 (three chunks of 16); decode and chunk graphs up to KV 64, one prefill.
+    assert "bucket 48 (prompt 48 tokens" in err and "5 compiled, 0 after warm-up" in err
