@@ -125,8 +125,11 @@ class PromptMaker:
         file_prompts = read_prompts_file(self.spec.prompts_file) if self.spec.prompts_file else None
         plans = plan_requests(self.spec, len(corpus), file_prompts)
         prompts = build_prompts(plans, tok, corpus, file_prompts, self.spec.max_prompt_len)
-        # TTFT probes: exact lengths, a few output tokens (TTFT is the first one), text from the corpus middle.
-        probe_plans = [RequestPlan(-1 - i, n, 4, len(corpus) // 2 + 997 * i) for i, n in enumerate(self.probe_lengths)]
+        # TTFT probes: exact lengths, a few output tokens (TTFT is the first one), a distinct text for every
+        # repeat (a server with a prefix cache must not turn repeats into hits).
+        repeats = max(1, int(getattr(self.args, "ttft_probe_repeats", 3)))
+        probe_plans = [RequestPlan(-1 - i, n, 4, len(corpus) // 2 + 997 * i)
+                       for i, n in enumerate(n for n in self.probe_lengths for _ in range(repeats))]
         probes = build_prompts(probe_plans, tok, corpus)
         print(f"[bench] built {len(prompts)} prompts with {tok.name} ({tok.calls} tokenize calls)")
         return prompts, probes
@@ -161,7 +164,6 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             served_model=args.served_model,
             headers=tuple(headers.items()),
-            ttft_probe_repeats=args.ttft_probe_repeats,
         )
         names = parse_names(args.compare) if args.compare else []
     except ValueError as exc:

@@ -31,7 +31,6 @@ class RunOptions:
     temperature: float = 0.0
     served_model: str = ""
     headers: tuple[tuple[str, str], ...] = ()
-    ttft_probe_repeats: int = 3
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -103,16 +102,15 @@ def probe_mode(
 
 def ttft_probe(base_url: str, probes: list[Prompt], mode: ApiMode, opts: RunOptions,
                headers: dict[str, str]) -> dict[str, float | None]:
-    """Median TTFT (seconds) of single requests, one at a time, per probe prompt length."""
-    out: dict[str, float | None] = {}
+    """Median TTFT (seconds) of single requests, one at a time, per probe prompt length (each probe prompt
+    is sent once; repeats are distinct prompts of the same length)."""
+    times: dict[str, list[float]] = {}
     for prompt in probes:
-        times = []
-        for _ in range(opts.ttft_probe_repeats):
-            res = send_one(base_url, prompt, mode, opts.timeout, headers)
-            if res.ok and res.ttft is not None:
-                times.append(res.ttft)
-        out[str(len(prompt.ids))] = statistics.median(times) if times else None
-    return out
+        res = send_one(base_url, prompt, mode, opts.timeout, headers)
+        got = times.setdefault(str(len(prompt.ids)), [])
+        if res.ok and res.ttft is not None:
+            got.append(res.ttft)
+    return {n: statistics.median(t) if t else None for n, t in times.items()}
 
 
 def run_target(

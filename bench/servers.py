@@ -103,8 +103,11 @@ def vllm_command(python: str, hf_model: str, threads: int, max_num_seqs: int, ma
     """vLLM CPU's OpenAI server. Its compute threads are pinned by VLLM_CPU_OMP_THREADS_BIND (cores 0..N-1);
     its KV cache is VLLM_CPU_KVCACHE_SPACE GiB."""
     port = port or free_port()
+    # Prefix caching off: every level replays the same prompts, so a cache would turn later levels' (and
+    # repeated probes') prefills into hits; bucketserve has none, and the comparison is of the engines.
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_model, "--host", "127.0.0.1",
-            "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
+            "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+            "--no-enable-prefix-caching"]
     if dtype:
         argv += ["--dtype", dtype]
     env = [*thread_env(threads), ("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))]

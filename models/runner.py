@@ -6,6 +6,7 @@ All calls come from one thread (the engine thread). Shapes come from the bucket 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -150,6 +151,7 @@ class ModelRunner:
         self.keys = list(table.graph_keys())
         self._known = {(k.phase, k.batch, k.length): k for k in self.keys}
         self.warmed: set[tuple[str, int, int]] = set()
+        self.calls: collections.Counter[Any] = collections.Counter()  # graph key -> calls while serving
         self.is_serving = False
         self._decode_caches = {
             (b, kv): self.storage.decode_cache(b, kv) for b in table.batch_sizes for kv in table.kv_lengths
@@ -262,6 +264,8 @@ class ModelRunner:
             self.accountant.refused(key, "unwarmed_shape")
             raise RecompileError(f"graph {key} was not warmed up; refusing to compile while serving")
         self.accountant.current_key = key
+        if self.is_serving:
+            self.calls[key] += 1
         return key
 
     def _call(self, fn: Callable[..., torch.Tensor], key: Any, *args: Any) -> torch.Tensor:

@@ -30,6 +30,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     pre = sub.add_parser("precompile", help="warm every graph into the compile cache and exit")
     add_server_arguments(pre)
 
+    ver = sub.add_parser("verify", help="compare the serving path (or --against a server) with the float32 "
+                                        "reference on every bucket; non-zero exit on a mismatch")
+    add_server_arguments(ver)
+    from server.verify import add_arguments as add_verify_arguments
+
+    add_verify_arguments(ver)
+
     plan = sub.add_parser("plan", help="fit length buckets to a traffic sample under a graph budget")
     bench = sub.add_parser("bench", help="benchmark OpenAI-compatible servers with production-like load")
     try:
@@ -60,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return precompile_main(settings_from_args(args))
         if args.command == "generate":
             return _generate(args)
+        if args.command == "verify":
+            from server.verify import verify_main
+
+            return verify_main(settings_from_args(args), args)
         if args.command == "plan":
             from server import plan_command
 

@@ -111,7 +111,7 @@ def test_compare_flow_on_two_fakes(tmp_path: Path) -> None:
         return [Prompt(i, f"p{i}", tuple(range(20 + 40 * i)), 3, 20 + 40 * i) for i in range(4)], probes
 
     comp = FakeComparison(argparse.Namespace(threads=1), ModelFiles("default", None, None), tmp_path, 512)
-    opts = RunOptions(concurrency=(1, 2), ttft_probe_repeats=2)
+    opts = RunOptions(concurrency=(1, 2))
     targets = run_compare(["bucketserve", "vllm", "llama"], comp, opts, tmp_path, make_prompts, 30,
                           log=lambda _: None)
     assert len(built) == 1  # prompts are built once and reused for every server
@@ -137,6 +137,7 @@ def test_vllm_gets_the_same_threads_seqs_and_dtype(tmp_path: Path) -> None:
     assert v.argv[:3] == ("/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server")
     assert v.argv[v.argv.index("--max-num-seqs") + 1] == "16" and v.argv[v.argv.index("--dtype") + 1] == "bfloat16"
     assert ("VLLM_CPU_OMP_THREADS_BIND", "0") in v.env and ("OMP_NUM_THREADS", "1") in v.env
+    assert "--no-enable-prefix-caching" in v.argv  # the bench replays prompts: a prefix cache would turn them into hits
     assert ("VLLM_CPU_OMP_THREADS_BIND", "0-3") in vllm_command("p", "m", 4, 8, 512, "", [], port=1).env
     import argparse
 

@@ -173,6 +173,12 @@ def test_precompile_job_is_a_pre_rollout_hook_with_the_server_settings(render: R
     assert job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "precompile"
 
 
+def test_precompile_job_can_verify_before_rollout(render: Render) -> None:
+    job = one(render({"precompile": {"enabled": True, "verify": {"enabled": True, "minAgreement": 0.9}}}), "Job")
+    assert container(job)["command"] == [
+        "sh", "-c", "bucketserve precompile && bucketserve verify --min-agreement 0.9 --max-tokens 16 --out /tmp/verify"]
+
+
 def hook_phase(manifest: Manifest) -> tuple[set[str], int] | None:
     annotations = manifest["metadata"].get("annotations", {})
     if "helm.sh/hook" not in annotations:
