@@ -72,6 +72,8 @@ class EngineModel:
         self.vocab_limit = int(getattr(text_config, "vocab_size", 0) or len(self.tokenizer))
         self.progress = WarmupCounter(self.table.num_graphs)
         self.runner: ModelRunner | None = None
+        self._decode_tokens = torch.zeros(self.table.max_batch, dtype=torch.long)  # host input buffers
+        self._decode_positions = torch.zeros(self.table.max_batch, dtype=torch.long)
         self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused)
         self._ready = threading.Event()
 
@@ -153,17 +155,20 @@ class EngineModel:
             logits = self.runner.chunk(seq.slot, step.offset, part, step.kv)
             self.metrics.chunk_done(GraphKey("chunk", 1, step.kv), step.padding_tokens, time.perf_counter() - t0)
             return StepLogits(logits, [0] if step.is_final else [])
-        # Row i of a decode batch is slot i; free slots run as dummies (token 0 at position 0).
-        slots = torch.tensor([seq.slot for seq in step.seqs], dtype=torch.long)
-        tokens = torch.zeros(step.batch, dtype=torch.long)
-        positions = torch.zeros(step.batch, dtype=torch.long)
-        tokens[slots] = torch.tensor([seq.last_token for seq in step.seqs], dtype=torch.long)
-        positions[slots] = torch.tensor([seq.position for seq in step.seqs], dtype=torch.long)
+        # Row i of a decode batch is slot i; free slots run as dummies (token 0 at position 0). The inputs are
+        # written in place into preallocated host buffers (through their numpy views: no tensor per step).
+        b = step.batch
+        tokens, positions = self._decode_tokens.numpy(), self._decode_positions.numpy()
+        tokens[:b] = 0
+        positions[:b] = 0
+        slots = [seq.slot for seq in step.seqs]
+        tokens[slots] = [seq.last_token for seq in step.seqs]
+        positions[slots] = [seq.position for seq in step.seqs]
         for slot, position in step.parked:  # a slot mid-chunking: its dummy write lands where its next chunk writes
             positions[slot] = position
-        logits = self.runner.decode(step.batch, tokens, positions, step.kv)
+        logits = self.runner.decode(b, self._decode_tokens[:b], self._decode_positions[:b], step.kv)
         self.metrics.decode_step_done(step.batch, len(step.seqs), time.perf_counter() - t0, step.padding_rows)
-        return StepLogits(logits, [seq.slot for seq in step.seqs])
+        return StepLogits(logits, slots)
 
     def sample(self, seqs: tuple[Sequence, ...], samplers: list[Sampler | None], out: StepLogits
                ) -> list[SampledToken | Exception | None]:
