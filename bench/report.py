@@ -77,14 +77,18 @@ def headline(t: dict[str, Any], probe_lengths: list[str], levels: list[int]) -> 
     itl = by_c[itl_c]["itl"] if itl_c is not None else {}
     probe = t.get("ttft_probe") or {}
     return {
-        "ttft_ms": [probe.get(n) * 1e3 if isinstance(probe.get(n), (int, float)) else None for n in probe_lengths],
+        "ttft_ms": [_ms(probe.get(n)) for n in probe_lengths],
         "decode_tok_s": 1 / tpot if isinstance(tpot, (int, float)) and tpot > 0 else None,
         "out_tok_s": [by_c[c]["output_tokens_per_s"] if c in by_c else None for c in levels],
         "cpu_per_s": [by_c[c].get("server_cpu_per_second") if c in by_c else None for c in levels],
         "itl_level": itl_c,
-        "itl_p50_ms": itl.get("p50") * 1e3 if isinstance(itl.get("p50"), (int, float)) else None,
-        "itl_p99_ms": itl.get("p99") * 1e3 if isinstance(itl.get("p99"), (int, float)) else None,
+        "itl_p50_ms": _ms(itl.get("p50")),
+        "itl_p99_ms": _ms(itl.get("p99")),
     }
+
+
+def _ms(seconds: Any) -> float | None:
+    return float(seconds) * 1e3 if isinstance(seconds, (int, float)) else None
 
 
 def _cells(values: list[Any], digits: int = 0) -> str:

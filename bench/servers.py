@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -139,17 +140,20 @@ def _vm_hwm(pid: int) -> int | None:
 def peak_rss_bytes(pid: int, tree: bool = False) -> int | None:
     """Peak resident set (VmHWM from /proc, Linux) of the process; with `tree`, summed over its live
     descendants too (an upper bound: their peaks need not coincide, and forked pages count twice)."""
-    if not tree:
-        return _vm_hwm(pid)
+    return _tree_sum(pid, _vm_hwm) if tree else _vm_hwm(pid)
+
+
+def _tree_sum(pid: int, measure: Callable[[int], int | None]) -> int | None:
+    """`measure` summed over a process and its live descendants; None when the process is gone."""
     total, found, seen, stack = 0, False, set(), [pid]
     while stack:
         p = stack.pop()
         if p in seen:
             continue
         seen.add(p)
-        hwm = _vm_hwm(p)
-        if hwm is not None:
-            total, found = total + hwm, True
+        value = measure(p)
+        if value is not None:
+            total, found = total + value, True
             stack += _children(p)
     return total if found else None
 
@@ -167,17 +171,8 @@ def _cpu_ticks(pid: int) -> int | None:
 def cpu_seconds(pid: int) -> float | None:
     """CPU seconds used so far by a process and its live descendants (an engine in a child process, like
     vLLM's engine core, counts too)."""
-    total, found, seen, stack = 0, False, set(), [pid]
-    while stack:
-        p = stack.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        ticks = _cpu_ticks(p)
-        if ticks is not None:
-            total, found = total + ticks, True
-            stack += _children(p)
-    return total / os.sysconf("SC_CLK_TCK") if found else None
+    ticks = _tree_sum(pid, _cpu_ticks)
+    return ticks / os.sysconf("SC_CLK_TCK") if ticks is not None else None
 
 
 class RunningServer:

@@ -43,6 +43,8 @@ class ShapeTable(Protocol):
     @property
     def context_length(self) -> int: ...
     @property
+    def max_length(self) -> int: ...
+    @property
     def kv_lengths(self) -> tuple[int, ...]: ...
 
     @property
@@ -118,7 +120,13 @@ def _sample_step(model: torch.nn.Module, logits: torch.Tensor, inputs: SampleInp
 _runner_ids = itertools.count()
 
 
-def _fresh_copy(fn: Callable[..., torch.Tensor], suffix: str) -> Callable[..., torch.Tensor]:
+def _vocab_size(model: Any) -> int:
+    """Width of the logits: the output embedding's rows (the config's vocab_size when there is none)."""
+    out = model.get_output_embeddings()
+    return int(out.weight.shape[0]) if out is not None else int(model.config.vocab_size)
+
+
+def _fresh_copy(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
     """A copy of `fn` with its own code object. Dynamo keeps compiled graphs and the recompile budget per
     code object, so each runner gets graphs (and compile counts) of its own."""
     code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{suffix}")
@@ -161,8 +169,7 @@ class ModelRunner:
         }
         self._chunk_caches = {kv: self.storage.chunk_cache(kv) for kv in table.chunk_kv_lengths}
         self.sample_inputs = {rows: SampleInputs.allocate(rows, self.device) for rows in table.sample_batch_sizes}
-        out = model.get_output_embeddings()
-        self.vocab_size = int(out.weight.shape[0]) if out is not None else int(model.config.vocab_size)
+        self.vocab_size = _vocab_size(model)
         kinds, window = self.storage.layer_types, sliding_window(model.config)
         decode = _make_decode_step(self.dtype, kinds, window)
         chunk = _make_chunk_step(self.dtype, kinds, window)

@@ -205,7 +205,7 @@ class Engine:
                         self._wake.wait(0.5)
                         continue
                     prompts = self._start(step) if isinstance(step, PrefillStep) else self._prompts(step)
-                    stalls = self._scheduler.num_decoding if step is not None and not isinstance(step, DecodeStep) else 0
+                    stalls = self._scheduler.num_decoding if isinstance(step, (PrefillStep, ChunkStep)) else 0
                 for rid in expired:
                     self.abort(rid, "timeout", "request timed out")
                 if step is not None:
@@ -232,7 +232,7 @@ class Engine:
             self.metrics.request_started(seq.bucket, now - active.arrival)
         return prompts
 
-    def _prompts(self, step: Step) -> dict[str, list[int]]:
+    def _prompts(self, step: Step | None) -> dict[str, list[int]]:
         """Lock held: the prompts a chunk step reads (a decode step reads none)."""
         if isinstance(step, ChunkStep):
             return {step.seq.request_id: self._active[step.seq.request_id].prompt_ids}

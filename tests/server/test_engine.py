@@ -47,20 +47,21 @@ def solo(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_interleaving_invariance_32_concurrent(tmp_path, reference_model) -> None:
-    rng = random.Random(0)
-    work = [(rng.choices(range(10, 400), k=rng.randint(1, 60)), rng.randint(1, 40)) for _ in range(32)]
+def assert_greedy_matches_solo(tmp_path, reference_model, work, table, pause) -> None:
+    """Greedy requests submitted with `pause()` seconds between them (joining running batches) produce what
+    each produces alone in transformers' generate; every graph compiled at warm-up, none after."""
 
     async def main() -> list[list[int]]:
-        engine = await started(tiny_engine(tmp_path, settings=tiny_settings(compile_backend="dynamo-eager")))
+        engine = await started(tiny_engine(tmp_path, settings=tiny_settings(compile_backend="dynamo-eager"),
+                                           table=table))
         try:
             handles = []
             for ids, n in work:
                 handles.append(engine.submit(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))
-                await asyncio.sleep(rng.random() * 0.01)  # staggered arrivals join running batches
+                await asyncio.sleep(pause())
             results = await asyncio.gather(*(collect(h) for h in handles))
             assert engine.model.accountant.count("serving") == 0  # zero compilations after warm-up
-            assert engine.model.accountant.count("warmup") == TINY_TABLE.num_graphs
+            assert engine.model.accountant.count("warmup") == engine.table.num_graphs
             return [tokens for tokens, _ in results]
         finally:
             engine.stop()
@@ -68,6 +69,12 @@ def test_interleaving_invariance_32_concurrent(tmp_path, reference_model) -> Non
     outputs = asyncio.run(main())
     for (ids, n), out in zip(work, outputs):
         assert out == solo(reference_model, ids, n)
+
+
+def test_interleaving_invariance_32_concurrent(tmp_path, reference_model) -> None:
+    rng = random.Random(0)
+    work = [(rng.choices(range(10, 400), k=rng.randint(1, 60)), rng.randint(1, 40)) for _ in range(32)]
+    assert_greedy_matches_solo(tmp_path, reference_model, work, None, lambda: rng.random() * 0.01)
 
 
 def test_late_request_starts_before_running_ones_finish(tmp_path) -> None:
@@ -176,6 +183,27 @@ def test_seeded_sampling_is_reproducible_through_the_engine(tmp_path) -> None:
     assert a == b and a != c
 
 
+def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path) -> None:
+    """The sampling graph's noise comes from (seed, position): sharing a batch changes nothing."""
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=20, seed=42, ignore_eos=True)
+
+    async def main() -> tuple[list[int], list[int]]:
+        engine = await started(tiny_engine(tmp_path, settings=tiny_settings(compile_backend="dynamo-eager")))
+        try:
+            alone = (await collect(engine.submit([5, 6, 7], seeded)))[0]
+            noise = [engine.submit([9 + i] * (3 + i), SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
+                     for i in range(3)]
+            shared = engine.submit([5, 6, 7], seeded)
+            results = await asyncio.gather(collect(shared), *(collect(h) for h in noise))
+            assert engine.model.accountant.count("serving") == 0
+            return alone, results[0][0]
+        finally:
+            engine.stop()
+
+    alone, shared = asyncio.run(main())
+    assert alone == shared and len(alone) == 16
+
+
 def test_token_ids_outside_the_embedding_table_are_refused(tmp_path) -> None:
     from server.engine import InvalidTokenError
 
@@ -201,25 +229,7 @@ def test_chunked_prefill_interleaved_with_decoding_requests_matches_solo_runs(tm
     rng = random.Random(7)
     lengths = [15, 16, 17, 32, 33, 70, 3, 9]
     work = [(rng.choices(range(10, 400), k=n), rng.randint(4, 24)) for n in lengths]
-
-    async def main() -> list[list[int]]:
-        settings = tiny_settings(compile_backend="dynamo-eager")
-        engine = await started(tiny_engine(tmp_path, settings=settings, table=CHUNKED_TABLE))
-        try:
-            handles = []
-            for ids, n in work:
-                handles.append(engine.submit(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))
-                await asyncio.sleep(0.01)
-            results = await asyncio.gather(*(collect(h) for h in handles))
-            assert engine.model.accountant.count("serving") == 0
-            assert engine.model.accountant.count("warmup") == CHUNKED_TABLE.num_graphs
-            return [tokens for tokens, _ in results]
-        finally:
-            engine.stop()
-
-    outputs = asyncio.run(main())
-    for (ids, n), out in zip(work, outputs):
-        assert out == solo(reference_model, ids, n)
+    assert_greedy_matches_solo(tmp_path, reference_model, work, CHUNKED_TABLE, lambda: 0.01)
 
 
 def test_abort_between_chunks_frees_the_slot_and_leaves_others_unchanged(tmp_path, reference_model) -> None:
