@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from buckets import BucketError, BucketTable, parse_sizes
@@ -99,6 +99,11 @@ class ServerSettings:
         try:
             if self.buckets_file:
                 table = BucketTable.load(self.buckets_file)
+                if self.prefill_chunk_size > 0:  # chunk a planned table whose largest bucket is the chunk
+                    if self.prefill_chunk_size != table.max_length:
+                        raise BucketError(f"prefill_chunk_size {self.prefill_chunk_size} must equal the largest "
+                                          f"bucket {table.max_length} of {self.buckets_file}")
+                    table = replace(table, chunked_prefill=table.max_length < table.context_length)
             elif self.buckets:
                 chunk = max(self.prefill_chunk_size, 0)
                 if chunk and chunk != self.buckets[-1]:

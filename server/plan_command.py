@@ -36,8 +36,10 @@ def _pct(x: float) -> str:
 
 
 def _graphs(table: BucketTable, n_lengths: int) -> str:
+    """Decode (batch x KV buckets) and prefill graphs; the few sampling and chunk graphs are not counted."""
     prefill = n_lengths * len(table.prefill_batch_sizes)
-    return f"{len(table.batch_sizes) + prefill} ({len(table.batch_sizes)} decode + {prefill} prefill)"
+    decode = len(table.batch_sizes) * len(table.kv_lengths)
+    return f"{decode + prefill} ({decode} decode + {prefill} prefill)"
 
 
 def comparison(table: BucketTable, current: Evaluation, proposed: Evaluation) -> str:
@@ -112,6 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-budget", type=float, default=None,
                         help="seconds of warm-up compile allowed for prefill graphs; caps the length buckets at "
                         "floor(budget / (seconds-per-graph * prefill batch sizes))")
+    parser.add_argument("--kv-buckets", dest="num_kv_buckets", type=int, default=0, metavar="K",
+                        help="also fit K decode KV-length buckets to prompt + --output-tokens lengths (the last is "
+                        "the context limit); 0 keeps the current table's KV buckets")
+    parser.add_argument("--output-tokens", type=int, default=64,
+                        help="tokens generated per request, added to each prompt length for --kv-buckets")
     parser.add_argument("--out", default=None, help="write the proposed bucket table here (JSON)")
     parser.add_argument("--plot-dir", default=None, help="write lengths.png and padding_vs_buckets.png here")
 
@@ -174,8 +181,16 @@ def run(args: argparse.Namespace) -> int:
     current = evaluate(table.lengths, served, alpha=alpha)
     print(summary(plan, served, alpha, limit, args.cover_model_limit))
     print(comparison(table, current, plan.evaluation))
+    kv = table.kv_lengths
+    if args.num_kv_buckets:
+        try:
+            kv = plan_kv_buckets(served, args.num_kv_buckets, args.output_tokens, limit)
+        except (BucketError, ValueError) as exc:
+            print(f"bucketserve plan: {exc}", file=sys.stderr)
+            return 2
+        print(f"proposed KV buckets: {','.join(map(str, kv))} (current {','.join(map(str, table.kv_lengths))})")
     if args.out:
-        proposed = BucketTable(plan.buckets, table.batch_sizes, table.prefill_batch_sizes, limit)
+        proposed = BucketTable(plan.buckets, table.batch_sizes, table.prefill_batch_sizes, limit, kv)
         proposed.save(args.out)
         print(f"wrote {args.out} (serve it with `bucketserve serve --buckets-file {args.out}`)")
     if args.plot_dir:
@@ -187,6 +202,21 @@ def run(args: argparse.Namespace) -> int:
         for path in write_plots(Path(args.plot_dir), served, current, plan):
             print(f"wrote {path}")
     return 0
+
+
+def plan_kv_buckets(prompts: Mapping[int, int], k: int, output_tokens: int, limit: int) -> tuple[int, ...]:
+    """K KV-length buckets fitted by the exact planner to each request's final length (prompt + output,
+    capped at the context): a decode step pays for its bucket, so the same padding objective applies. The
+    last bucket is always the context limit (every live row needs a graph). Ignores that the longest row
+    of a batch picks the bucket, so it favours the distribution's upper part less than the server does."""
+    if k < 1 or output_tokens < 0:
+        raise ValueError(f"--kv-buckets must be positive and --output-tokens >= 0, got {k} and {output_tokens}")
+    finals: dict[int, int] = {}
+    for n, count in prompts.items():
+        total = min(n + output_tokens, limit)
+        finals[total] = finals.get(total, 0) + count
+    plan = plan_buckets(finals, k, alpha=default_alpha(limit), limit=limit, cover_limit=True)
+    return tuple(plan.buckets)
 
 
 def summary(plan: PlanResult, served: Mapping[int, int], alpha: float, limit: int, cover: bool) -> str:

@@ -44,3 +44,15 @@ def test_kv_buckets_flag_env_and_context_closing() -> None:
     assert parse([], {"BUCKETSERVE_KV_BUCKETS": "512"}).bucket_table(1024).kv_lengths == (512, 1024)
     with pytest.raises(SettingsError, match="kv_lengths"):
         ServerSettings(kv_buckets=(256, 4096)).bucket_table(8192)
+
+
+def test_a_buckets_file_can_be_chunked(tmp_path) -> None:
+    from buckets import BucketTable
+
+    path = tmp_path / "t.json"
+    BucketTable((64, 256), context_length=1024).save(path)
+    table = ServerSettings(buckets_file=str(path), prefill_chunk_size=256).bucket_table(4096)
+    assert table.chunked_prefill and table.chunk_length == 256
+    assert not ServerSettings(buckets_file=str(path)).bucket_table(4096).chunked_prefill
+    with pytest.raises(SettingsError, match="largest bucket 256"):
+        ServerSettings(buckets_file=str(path), prefill_chunk_size=128).bucket_table(4096)

@@ -45,7 +45,7 @@ def test_plan_from_lengths_file_writes_a_loadable_table_and_plots(tmp_path: Path
     assert "current buckets:  64,256,1024,2048" in text
     assert "proposed buckets: 40,1000" in text
     assert "padding ratio" in text and "expected cost per prompt" in text
-    assert "7 (3 decode + 4 prefill)" in text  # proposed: 3 decode + 2 lengths x 2 prefill rows
+    assert "16 (12 decode + 4 prefill)" in text  # proposed: 3 batch x 4 KV decode + 2 lengths x 2 prefill rows
 
     table = BucketTable.load(out)
     assert table.lengths == (40, 1000)
@@ -55,6 +55,16 @@ def test_plan_from_lengths_file_writes_a_loadable_table_and_plots(tmp_path: Path
         png = tmp_path / "plots" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert png.stat().st_size > 5000
+
+
+def test_plan_fits_kv_buckets_to_prompt_plus_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "planned.json"
+    rc = run_plan(["--lengths-file", str(write_lengths(tmp_path / "l.txt")), "--max-graphs", "2",
+                   "--kv-buckets", "3", "--output-tokens", "24", "--out", str(out)])
+    assert rc == 0
+    assert "proposed KV buckets: 64,1024,2048" in capsys.readouterr().out  # 30/40 + 24 and 900/1000 + 24
+    assert BucketTable.load(out).kv_lengths == (64, 1024, 2048)
+    assert plan_command.plan_kv_buckets({100: 5}, 1, 10, 512) == (512,)  # one bucket: the context
 
 
 def test_default_current_table_is_powers_of_two_and_k_matches(tmp_path: Path,
