@@ -175,6 +175,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--against", default="", help="verify a running OpenAI-compatible server at this URL")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per case")
     parser.add_argument("--num-prompts", type=int, default=0, help="keep the first N cases (0: all)")
+    parser.add_argument("--prompts-file", default="",
+                        help="your own text (plain, or JSONL with a 'prompt' field per line) to cut the cases from, "
+                        "instead of the built-in English corpus")
     parser.add_argument("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT,
                         help="token agreement a non-float32 configuration must reach")
     parser.add_argument("--out", default="results/verify", help="where report.json and report.md go")

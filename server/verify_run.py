@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,18 +21,29 @@ from server.verify_cases import Case, plan_cases
 Run = tuple[BucketTable, str, list[Case], list[Outcome], list[Outcome], dict[str, int], str]
 
 
-def _token_source(tokenizer: Any) -> list[int]:
-    """Natural English prompts: the bench corpus, tokenized by the model's own tokenizer."""
-    from bench.prompts import load_corpus
+def _token_source(tokenizer: Any, prompts_file: str = "") -> list[int]:
+    """The text cases are cut from, tokenized by the model's own tokenizer: a user's file (plain text, or
+    JSONL with a 'prompt' per line), else the bench's English corpus."""
+    if prompts_file:
+        raw = Path(prompts_file).read_text()
+        lines = [line for line in raw.splitlines() if line.strip()]
+        if lines and all(line.lstrip().startswith("{") for line in lines):
+            text = "\n".join(str(json.loads(line).get("prompt", "")) for line in lines)
+        else:
+            text = raw
+    else:
+        from bench.prompts import load_corpus
 
-    return list(tokenizer.encode(load_corpus())[:20000])
+        text = load_corpus()
+    return list(tokenizer.encode(text)[:20000])
 
 
 def run_engine(settings: ServerSettings, args: argparse.Namespace) -> Run:
     from server.serve import build_engine
 
     engine, _ = build_engine(settings)
-    cases = plan_cases(engine.table, _token_source(engine.tokenizer), args.max_tokens, args.num_prompts)
+    cases = plan_cases(engine.table, _token_source(engine.tokenizer, args.prompts_file), args.max_tokens,
+                       args.num_prompts)
 
     async def drive() -> list[Outcome]:
         engine.start()
@@ -59,7 +72,7 @@ def run_against(settings: ServerSettings, args: argparse.Namespace) -> Run:
     path = resolve_model_path(settings.model, settings.model_cache_dir or None)
     table = settings.bucket_table(max_positions(AutoConfig.from_pretrained(path)))
     tokenizer = load_tokenizer(path)
-    cases = plan_cases(table, _token_source(tokenizer), args.max_tokens, args.num_prompts)
+    cases = plan_cases(table, _token_source(tokenizer, args.prompts_file), args.max_tokens, args.num_prompts)
     url = args.against.rstrip("/")
     with httpx.Client(timeout=600.0) as client:
         models = client.get(url + "/v1/models").json().get("data") or [{}]

@@ -34,7 +34,9 @@ def test_cases_cover_buckets_chunks_kv_crossings_and_waves() -> None:
 
 
 def test_verify_passes_on_the_serving_path(tiny_llama: str, tmp_path: Path) -> None:
-    code, report = verify(tiny_llama, tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"the cat sat on mat number {i}"}) for i in range(40)) + "\n")
+    code, report = verify(tiny_llama, tmp_path, "--prompts-file", str(prompts))
     assert code == 0 and report["verdict"] == "pass" and report["agreement"] == 1.0
     graphs = report["graphs"]
     assert any(k.startswith("decode[b4") for k in graphs) and any(k.startswith("chunk[") for k in graphs)
