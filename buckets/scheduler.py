@@ -13,7 +13,8 @@ lowest first to keep that bucket small) and the smallest KV-length bucket that c
 Chunked prefill (when the table has it): a prompt longer than the chunk length takes a slot and is prefilled
 one chunk per step, its first chunk by a PrefillStep and the rest by ChunkSteps; between two of its chunks a
 decode step runs whenever any row is decoding, so a decode row never waits for more than one chunk. The
-chunking request is older than anything waiting, so it goes first (FCFS); it can be aborted between chunks. Finished or aborted sequences free their slot at once.
+chunking request is older than anything waiting, so it goes first (FCFS); it can be aborted between chunks.
+Finished or aborted sequences free their slot at once.
 """
 
 from __future__ import annotations

@@ -230,7 +230,8 @@ class SlotStorage:
         """Cache for one chunk of one row's prompt, attending over positions [0, kv_length) of its slot."""
         if not 0 < kv_length <= self.context_length:
             raise ValueError(f"KV length {kv_length} is outside 1..{self.context_length}")
-        layers = [ChunkLayer(k, v, self.chunk_slot, self.chunk_offset, kv_length) for k, v in zip(self.keys, self.values)]
+        layers = [ChunkLayer(k, v, self.chunk_slot, self.chunk_offset, kv_length)
+                  for k, v in zip(self.keys, self.values)]
         return ChunkCache(layers, self.chunk_slot, self.chunk_offset, kv_length)
 
     def prefill_cache(self, rows: int, length: int) -> PrefillCache:

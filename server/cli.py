@@ -117,7 +117,8 @@ def _generate(args: argparse.Namespace) -> int:
     last_kv = table.kv_for(len(ids) + params.max_tokens)
     decode_keys = [GraphKey("decode", table.batch_sizes[0], kv) for kv in table.kv_lengths if kv <= last_kv]
     # A prompt past the largest length bucket is prefilled in chunks: its first chunk, then chunk graphs.
-    chunk_keys = [GraphKey("chunk", 1, kv) for kv in table.chunk_kv_lengths if kv <= last_kv] if bucket > table.max_length else []
+    chunked = bucket > table.max_length
+    chunk_keys = [GraphKey("chunk", 1, kv) for kv in table.chunk_kv_lengths if kv <= last_kv] if chunked else []
     prefill_key = GraphKey("prefill", table.prefill_batch_sizes[0], min(bucket, table.max_length))
     model.load_and_warm([*decode_keys, *chunk_keys, prefill_key])
     warm = time.monotonic() - t0

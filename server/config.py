@@ -83,7 +83,8 @@ class ServerSettings:
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefill_chunk_size < -1:
-            raise SettingsError(f"prefill_chunk_size must be -1 (auto), 0 (off) or positive, got {self.prefill_chunk_size}")
+            raise SettingsError(
+                f"prefill_chunk_size must be -1 (auto), 0 (off) or positive, got {self.prefill_chunk_size}")
         if self.num_threads < 0:
             raise SettingsError(f"num_threads must be >= 0, got {self.num_threads}")
         if any(not key.strip() for key in self.api_keys):

@@ -16,7 +16,8 @@ from collections import deque
 from typing import Any
 
 from buckets import PromptTooLongError
-from buckets.scheduler import ChunkStep, DecodeStep, PrefillStep, QueueFullError as _SchedulerQueueFull, Scheduler, Sequence, Step
+from buckets.scheduler import ChunkStep, PrefillStep, Scheduler, Sequence, Step
+from buckets.scheduler import QueueFullError as _SchedulerQueueFull
 from models.sampling import SampledToken, SamplingParams
 from server.engine_model import CacheMissingError, EngineModel
 from server.hooks import SafeHooks

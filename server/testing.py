@@ -62,7 +62,8 @@ TINY_TABLE = BucketTable(lengths=(8, 16, 32, 64), batch_sizes=(1, 2, 4), prefill
 
 
 def tiny_settings(**overrides: Any) -> ServerSettings:
-    base = ServerSettings(compile_backend="eager", dtype="float32", buckets=TINY_TABLE.lengths, batch_sizes=TINY_TABLE.batch_sizes,
+    base = ServerSettings(compile_backend="eager", dtype="float32", buckets=TINY_TABLE.lengths,
+                          batch_sizes=TINY_TABLE.batch_sizes,
                           prefill_batch_sizes=TINY_TABLE.prefill_batch_sizes, kv_buckets=TINY_TABLE.kv_lengths,
                           max_model_len=TINY_TABLE.context_length, num_threads=1, compile_cache_dir="none")
     return replace(base, **overrides)
