@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -26,13 +27,18 @@ def reference(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.fixture(scope="module")
-def compiled(tiny_llama: str) -> tuple[ModelRunner, torch.nn.Module]:
-    model = load_model(tiny_llama, "float32", "cpu")
-    runner = ModelRunner(model, TABLE, CompileSettings(backend="dynamo-eager"))
+def warmed(path: str, table: BucketTable) -> Iterator[tuple[ModelRunner, torch.nn.Module]]:
+    """A runner over the tiny model with every graph of `table` warmed (dynamo-eager); stopped afterwards."""
+    model = load_model(path, "float32", "cpu")
+    runner = ModelRunner(model, table, CompileSettings(backend="dynamo-eager"))
     runner.warmup()
     yield runner, model
     runner.stop_serving()
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_llama: str) -> Iterator[tuple[ModelRunner, torch.nn.Module]]:
+    yield from warmed(tiny_llama, TABLE)
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 15, 16])
@@ -79,12 +85,8 @@ CHUNKED = BucketTable(lengths=(4, 8), batch_sizes=(1, 2), prefill_batch_sizes=(1
 
 
 @pytest.fixture(scope="module")
-def chunked(tiny_llama: str) -> tuple[ModelRunner, torch.nn.Module]:
-    model = load_model(tiny_llama, "float32", "cpu")
-    runner = ModelRunner(model, CHUNKED, CompileSettings(backend="dynamo-eager"))
-    runner.warmup()
-    yield runner, model
-    runner.stop_serving()
+def chunked(tiny_llama: str) -> Iterator[tuple[ModelRunner, torch.nn.Module]]:
+    yield from warmed(tiny_llama, CHUNKED)
 
 
 @pytest.mark.parametrize("n", [7, 8, 9, 16, 17, 30])  # c - 1, c, c + 1, 2c, 2c + 1, several chunks
