@@ -141,6 +141,10 @@ def configure_compiler(settings: CompileSettings, num_graphs: int) -> None:
         import torch._inductor.config as inductor_config
 
         inductor_config.freezing = settings.inductor_freezing
+        # Round intermediates to the graph's dtype where eager rounds them: without it, bfloat16 graphs differ
+        # from eager bfloat16 enough to flip near-tie argmaxes (SmolLM2's first answer token to "What is the
+        # capital of France?": eager "The" 25.625 vs "L" 25.5; inductor 25.25 both, picking "L").
+        inductor_config.emulate_precision_casts = True
         if settings.cache_dir:
             # The persistent caches: compiled kernels (FX graph cache) and the traced joint graphs
             # (AOT autograd cache); both key on graph content, torch version and compiler config.

@@ -84,3 +84,12 @@ def test_compiler_configuration_raises_recompile_limit() -> None:
 
     configure_compiler(CompileSettings(backend="dynamo-eager"), num_graphs=40)
     assert dc.recompile_limit >= 40 and dc.automatic_dynamic_shapes is False
+
+
+def test_inductor_rounds_like_eager_in_reduced_precision() -> None:
+    """Without emulated precision casts, bfloat16 graphs flipped near-tie argmaxes against eager bfloat16
+    (the default model's answer to "What is the capital of France?" began with "L" instead of "The")."""
+    import torch._inductor.config as ic
+
+    configure_compiler(CompileSettings(backend="inductor"), num_graphs=4)
+    assert ic.emulate_precision_casts is True
