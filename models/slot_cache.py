@@ -6,8 +6,9 @@ its own position. So we keep our own storage and hand the stock models two thin 
 
 - `DecodeCache` (one per decode batch bucket b and KV-length bucket K): layers over the contiguous prefix
   views `storage[:b]` of every layer's (max_slots, H, C, D) tensor; `update` writes the one new token of
-  row i at `write_pos[i]` (< K) and returns the views `storage[:b, :, :K]`, so attention reads only the
-  first K positions of each slot. The caller passes a per-row 4-D mask of width K.
+  row i at `write_pos[i]` (< K) and returns the whole buffers; attention reads only their first K
+  positions (the width of the per-row 4-D mask the caller passes). Returning `[:, :, :K]` views of the
+  buffers just written made inductor copy whole cache layers every step.
 - `PrefillCache` (one per (rows P, length bucket L)): layers that copy the new K/V into a scratch
   buffer of shape (P, H, L, D) and return them unchanged (a new request has no past, so plain causal
   attention over L tokens). `commit` then copies each row's scratch into its slot, eagerly.

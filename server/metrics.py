@@ -193,17 +193,17 @@ class Metrics:
         if key not in self._prefill_keys:
             raise ValueError(f"{key} is not a prefill graph of the bucket table")
         _check_count("rows", rows, 1, key.batch)
-        _check_count("padding_tokens", padding_tokens, 0, key.batch * key.length - rows)
-        _check_seconds("seconds", seconds)
-        if padding_tokens:
-            self._padding_prefill.inc(padding_tokens)
-        self._prefill_seconds.observe(seconds)
+        self._prefill_call(padding_tokens, key.batch * key.length - rows, seconds)
 
     def chunk_done(self, key: GraphKey, padding_tokens: int, seconds: float) -> None:
         """One chunk graph call of a chunked prefill; `padding_tokens` pad the last chunk of a prompt."""
         if key not in self._chunk_keys:
             raise ValueError(f"{key} is not a chunk graph of the bucket table")
-        _check_count("padding_tokens", padding_tokens, 0, self.table.chunk_length - 1)
+        self._prefill_call(padding_tokens, self.table.chunk_length - 1, seconds)
+
+    def _prefill_call(self, padding_tokens: int, max_padding: int, seconds: float) -> None:
+        """Prefill and chunk calls share the padding counter and the seconds histogram."""
+        _check_count("padding_tokens", padding_tokens, 0, max_padding)
         _check_seconds("seconds", seconds)
         if padding_tokens:
             self._padding_prefill.inc(padding_tokens)

@@ -62,10 +62,10 @@ def sample_step(runner: ModelRunner, seqs: tuple[Sequence, ...], samplers: list[
                 top = tuple(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist())) if k else ()
                 results[i] = SampledToken(int(ids[r]), float(chosen[r]) if k is not None else None, top)
     elif on_device:
-        index = torch.tensor([out.rows[i] for i, _ in on_device], device=out.logits.device)
-        greedy = out.logits.index_select(0, index).argmax(dim=-1).tolist()
-        for (i, _), token in zip(on_device, greedy):
-            results[i] = SampledToken(int(token), None, ())
+        # argmax over every row of the bucket (pad rows too): no index tensor, no copy of the logits.
+        greedy = out.logits.argmax(dim=-1).tolist()
+        for i, _ in on_device:
+            results[i] = SampledToken(int(greedy[out.rows[i]]), None, ())
     for i, s in host:
         try:
             results[i] = s.sample(out.logits[out.rows[i]])
