@@ -72,6 +72,8 @@ class CompileAccountant:
     # Called when a compile after warm-up was refused (policy "error"): (graph key, reason). The attempt
     # is the alert signal even though nothing compiled.
     on_refused: Callable[[Any, str], None] | None = None
+    # Called when a saved graph artifact was found unusable and is rebuilt: (graph key, reason).
+    on_rejected: Callable[[Any, str], None] | None = None
     records: list[CompileRecord] = field(default_factory=list)
     phase: CompilePhase = "warmup"
     current_key: Any = None
@@ -116,6 +118,11 @@ class CompileAccountant:
         log.error("refused to compile graph %s after warm-up (%s)", key, reason)
         if self.on_refused is not None:
             self.on_refused(key, reason)
+
+    def rejected(self, key: Any, reason: str) -> None:
+        log.warning("compiled graph artifact for %s not used (%s); compiling it again", key, reason)
+        if self.on_rejected is not None:
+            self.on_rejected(key, reason)
 
     def count(self, phase: CompilePhase | None = None) -> int:
         with self._lock:

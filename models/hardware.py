@@ -60,3 +60,15 @@ def resolve_num_threads(requested: int, cores: int | None = None) -> int:
     if requested:
         return requested
     return max(1, (usable_cores() if cores is None else cores) - 1)
+
+
+MAX_COMPILE_WORKERS = 4  # each one holds a copy of the weights; beyond the cores they only contend
+
+
+def resolve_compile_workers(requested: int, cores: int | None = None) -> int:
+    """0 -> one compiling process per usable core, at most MAX_COMPILE_WORKERS; otherwise as requested."""
+    if requested < 0:
+        raise ValueError(f"compile_workers must be >= 0, got {requested}")
+    if requested:
+        return requested
+    return max(1, min(MAX_COMPILE_WORKERS, usable_cores() if cores is None else cores))

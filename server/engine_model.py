@@ -18,7 +18,8 @@ import torch
 
 from buckets import BucketTable, GraphKey
 from buckets.scheduler import ChunkStep, PrefillStep, Sequence, Step
-from models.hardware import resolve_dtype, resolve_num_threads
+from models.graph_builder import BuildSpec, ProcessBuilder
+from models.hardware import resolve_compile_workers, resolve_dtype, resolve_num_threads
 from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key
 from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
 from models.runner import ModelRunner, PrefillRow
@@ -74,7 +75,8 @@ class EngineModel:
         self.runner: ModelRunner | None = None
         self._decode_tokens = torch.zeros(self.table.max_batch, dtype=torch.long)  # host input buffers
         self._decode_positions = torch.zeros(self.table.max_batch, dtype=torch.long)
-        self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused)
+        self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused,
+                                            on_rejected=self._on_rejected)
         self._ready = threading.Event()
 
     @property
@@ -104,7 +106,11 @@ class EngineModel:
         self.progress.started = time.monotonic()
         if keys is not None:
             self.progress.total = len(keys)
-        seconds = self.runner.warmup(keys, progress=self._on_warm)
+        # Builders only help a cold start of saved graphs (inductor without freezing, with a cache directory).
+        builders = resolve_compile_workers(s.compile_workers) - 1 if self.runner.store is not None else 0
+        spec = BuildSpec(self.path, self.dtype, s.device, self.table, compile_settings, self.num_threads)
+        with ProcessBuilder(spec, builders) as builder:
+            seconds = self.runner.warmup(keys, progress=self._on_warm, builder=builder)
         self.progress.finished = time.monotonic()
         log.info("warm-up done: %d graphs in %.1f s, %d compilations", self.progress.done, seconds,
                  self.accountant.count())
@@ -193,6 +199,9 @@ class EngineModel:
 
     def _on_refused(self, key: Any, reason: str) -> None:
         self.metrics.recompiled(reason)
+
+    def _on_rejected(self, key: Any, reason: str) -> None:
+        self.metrics.artifact_rejected(reason.split(":")[0])
 
     def _on_compile(self, record: CompileRecord) -> None:
         if record.key is None:
