@@ -66,13 +66,20 @@ class ProcessBuilder:
             self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"))
         return self._pool.submit(build_graphs, self.spec, keys)
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def close(self, abandon: bool = False) -> None:
+        """Wait for the workers to exit; `abandon`: stop them mid-build (the warm-up failed or was cancelled,
+        and a half-built artifact is never written: saves are atomic)."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        if abandon:
+            # The executor has no public way to stop a running task; its worker processes are still ours.
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> ProcessBuilder:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self.close(abandon=exc_type is not None)

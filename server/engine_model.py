@@ -102,6 +102,12 @@ class EngineModel:
                  "%d graphs", list(self.table.lengths), list(self.table.batch_sizes),
                  list(self.table.prefill_batch_sizes), list(self.table.kv_lengths), self.table.context_length,
                  self.runner.num_graphs)
+        store = self.runner.store
+        if s.require_cached_graphs and store is not None:
+            # Fail before compiling anything: every graph must have its saved artifact.
+            missing = [str(k) for k in (keys or self.runner.keys) if not store.has(k)]
+            if missing:
+                raise CacheMissingError(f"{len(missing)} graphs were not in the compile cache: {', '.join(missing)}")
         self.metrics.warmup_progress(0, self.table.num_graphs)
         self.progress.started = time.monotonic()
         if keys is not None:

@@ -140,3 +140,16 @@ def test_builder_process_compiles_part_of_a_cold_table(tiny_llama: str, tmp_path
     assert generate_one(runner, ids, GREEDY, 8).token_ids == generate_one(
         ModelRunner(load_model(tiny_llama, "float32", "cpu"), TABLE, CompileSettings(backend="eager")),
         ids, GREEDY, 8).token_ids
+
+
+def test_abandoned_builder_is_stopped_mid_build(tiny_llama: str, tmp_path: Path) -> None:
+    """A warm-up that fails (or a shutdown during it) stops its builder processes instead of waiting them out."""
+    settings = CompileSettings(backend="inductor", cache_dir=str(tmp_path / "cache"))
+    builder = ProcessBuilder(BuildSpec(tiny_llama, "float32", "cpu", TABLE, settings, 1), 1)
+    future = builder.submit(list(TABLE.graph_keys()))
+    procs = list(builder._pool._processes.values())  # type: ignore[union-attr]
+    assert procs and all(p.is_alive() for p in procs)
+    builder.close(abandon=True)
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(Exception):
+        future.result(timeout=5)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from server.engine_model import EngineModel
-from server.testing import tiny_settings
+from server.testing import TINY_TABLE, tiny_settings
 
 TINY_FLAGS = ["--buckets", "8,16,32,64", "--batch-sizes", "1,2,4", "--prefill-batch-sizes", "1,2",
               "--max-model-len", "128", "--num-threads", "1"]
@@ -173,3 +173,14 @@ def _up(server: ServerProcess) -> bool:
         return True
     except httpx.HTTPError:
         return False
+
+
+def test_require_cached_graphs_fails_before_compiling_anything(tiny_llama: str, tmp_path: Path) -> None:
+    """Inductor keeps one artifact per graph: a missing one is known before any compile starts."""
+    from server.engine_model import CacheMissingError
+
+    settings = tiny_settings(compile_backend="inductor", compile_cache_dir=str(tmp_path), require_cached_graphs=True)
+    model = EngineModel(settings, tiny_llama)
+    with pytest.raises(CacheMissingError, match=f"{TINY_TABLE.num_graphs} graphs were not in the compile cache"):
+        model.load_and_warm()
+    assert model.accountant.count() == 0
