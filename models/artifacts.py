@@ -28,10 +28,28 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Dynamo serializes only guards it can re-check in a new process: tensor metadata and global state
-# (grad mode, dtype defaults...). Object-identity guards on the model are dropped; the runner dispatches
-# by bucket itself and hands every graph the same model and the cache objects made for its bucket.
-GUARD_FILTER = "keep_portable_guards_unsafe"
+
+
+def guard_filter(entries: list[Any]) -> list[bool]:
+    """Which of dynamo's guards an artifact keeps. Only guards a new process can re-check can be saved:
+    global state (grad mode, thread count...) and tensor metadata. Object-identity guards on the model are
+    dropped (the runner dispatches by bucket itself and hands every graph the same model and its bucket's
+    cache objects), and so are the ~300 per-parameter tensor guards: rebuilding them costs 0.3 s per graph
+    at load, and the parameters' names, shapes, dtypes and strides are checked once per model instead
+    (`model_fingerprint`, kept in the sidecar)."""
+    return [
+        g.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
+        or (g.guard_type == "TENSOR_MATCH" and not g.is_global and not isinstance(g.value, torch.nn.Parameter))
+        for g in entries
+    ]
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """What the compiled code assumes about the weights: every parameter's and buffer's name, shape, dtype,
+    stride and device (not the values: those are graph inputs)."""
+    items = [(name, tuple(t.shape), str(t.dtype), t.stride(), str(t.device))
+             for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -67,17 +85,18 @@ class GraphStore:
         blob, meta = self._paths(key)
         return blob.is_file() and meta.is_file()
 
-    def save(self, key: Any, fn: Any, build_seconds: float) -> None:
+    def save(self, key: Any, fn: Any, build_seconds: float, model: str) -> None:
         """Write the artifact, then its sidecar: a reader never sees a sidecar for a half-written file."""
         blob, meta = self._paths(key)
         blob.parent.mkdir(parents=True, exist_ok=True)
         data = type(fn).serialize(fn).serialized_data
         _atomic_write(blob, data)
         info = {"graph": str(key), "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                "torch": torch.__version__, "build_seconds": round(build_seconds, 3), "created": time.time()}
+                "torch": torch.__version__, "model": model, "build_seconds": round(build_seconds, 3), "created": time.time()}
         _atomic_write(meta, json.dumps(info, indent=1).encode())
 
-    def load(self, key: Any) -> Loaded:
+    def load(self, key: Any, model: str) -> Loaded:
+        """`model`: the fingerprint of the weights the artifact will run with."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
         blob, meta = self._paths(key)
@@ -95,6 +114,8 @@ class GraphStore:
             return Loaded(None, "corrupt: checksum mismatch")
         if info.get("torch") != torch.__version__:
             return Loaded(None, f"stale: built by torch {info.get('torch')}, running {torch.__version__}")
+        if info.get("model") != model:
+            return Loaded(None, "stale: built for weights of other names, shapes or dtypes")
         try:
             fn = AOTCompiledFunction.deserialize(data)
         except Exception as exc:  # noqa: BLE001  any failure to rebuild the function means: do not use it
@@ -128,7 +149,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def aot_compile(fn: Callable[..., Any], backend: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """Compile `fn(*args)` ahead of time into a serializable function (static shapes, one graph, no break).
     The result checks its guards on every call until `disable_guard_check()`."""
-    guard_filter = getattr(torch.compiler, GUARD_FILTER)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False,
                              options={"guard_filter_fn": guard_filter})
     return compiled.aot_compile((args, {}))  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
-from models.artifacts import GraphStore, aot_compile, label_of
+from models.artifacts import GraphStore, aot_compile, label_of, model_fingerprint
 from models.compile import (
     CompileAccountant,
     CompileSettings,
@@ -195,6 +195,7 @@ class ModelRunner:
             if self.aot and compile_settings.cache_dir else None
         self._graphs: dict[Any, Callable[..., Any]] = {}
         self._built_elsewhere: dict[str, float] = {}  # label -> compile seconds in a builder process
+        self.fingerprint = model_fingerprint(model) if self.store is not None else ""
         if compile_settings.compiles and self.aot:
             configure_compiler(compile_settings, len(self.keys))
             self.accountant.cache_enabled = self.store is not None
@@ -366,7 +367,7 @@ class ModelRunner:
             seconds = time.perf_counter() - t0
             self.accountant.record(seconds, cache_hit=False)
             if self.store is not None:
-                self.store.save(key, graph, seconds)
+                self.store.save(key, graph, seconds, self.fingerprint)
         # Dispatch is by key and the inputs come from the key's own buffers: no guard evaluation per step.
         graph.disable_guard_check()  # type: ignore[union-attr]
         self._graphs[key] = graph
@@ -374,7 +375,7 @@ class ModelRunner:
 
     def _load(self, key: Any, args: tuple[Any, ...]) -> Callable[..., Any] | None:
         assert self.store is not None
-        loaded = self.store.load(key)
+        loaded = self.store.load(key, self.fingerprint)
         reason = loaded.reason
         if loaded.fn is not None and not loaded.fn.guard_check(self.model, *args):  # type: ignore[attr-defined]
             reason = "stale: its guards do not match this model or cache"

@@ -111,7 +111,7 @@ def test_bad_artifact_is_reported_and_rebuilt(built: Path, tiny_llama: str, tmp_
     hits = {r.key: r.cache_hit for r in runner.accountant.records}
     assert hits == {key: False, GraphKey("prefill", 1, 8): True, GraphKey("decode", 1, 16): True}
     assert generate_one(runner, PROMPT, GREEDY, 8).token_ids == _eager(tiny_llama)
-    assert GraphStore(str(cache / "graphs")).load(key).fn is not None  # rebuilt and saved again
+    assert GraphStore(str(cache / "graphs")).load(key, runner.fingerprint).fn is not None  # rebuilt, saved again
 
 
 def test_artifact_from_another_thread_count_is_stale(built: Path, tiny_llama: str, tmp_path: Path) -> None:
@@ -153,3 +153,13 @@ def test_abandoned_builder_is_stopped_mid_build(tiny_llama: str, tmp_path: Path)
     assert not any(p.is_alive() for p in procs)
     with pytest.raises(Exception):
         future.result(timeout=5)
+
+
+def test_artifacts_of_another_model_are_stale(built: Path, tmp_path: Path) -> None:
+    """Parameters are not guarded one by one (too slow to load); their names, shapes and dtypes are checked
+    as one fingerprint: a model of another architecture never runs on these graphs."""
+    qwen = build_tiny_checkpoint(tmp_path / "qwen2", arch="qwen2")
+    rejected: list[str] = []
+    runner = _runner(qwen, _copy(built, tmp_path), CompileAccountant(on_rejected=lambda k, r: rejected.append(r)))
+    runner.warmup([GraphKey("sample", 1, 0)])
+    assert rejected == ["stale: built for weights of other names, shapes or dtypes"]
