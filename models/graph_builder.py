@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -56,20 +57,28 @@ class ProcessBuilder:
         self.spec = spec
         self._workers = workers
         self._pool: ProcessPoolExecutor | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # close() may come from a stopping thread while the warm-up submits
 
     @property
     def workers(self) -> int:
         return self._workers
 
     def submit(self, keys: list[Any]) -> Future[dict[str, float]]:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"))
-        return self._pool.submit(build_graphs, self.spec, keys)
+        with self._lock:
+            if self._closed:  # cancelled meanwhile: the warm-up compiles these itself, or stops
+                refused: Future[dict[str, float]] = Future()
+                refused.set_exception(RuntimeError("the graph builder is closed"))
+                return refused
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"))
+            return self._pool.submit(build_graphs, self.spec, keys)
 
     def close(self, abandon: bool = False) -> None:
         """Wait for the workers to exit; `abandon`: stop them mid-build (the warm-up failed or was cancelled,
         and a half-built artifact is never written: saves are atomic)."""
-        pool, self._pool = self._pool, None
+        with self._lock:
+            pool, self._pool, self._closed = self._pool, None, True
         if pool is None:
             return
         if abandon:

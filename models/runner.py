@@ -73,6 +73,10 @@ class GraphBuilder(Protocol):
         ...
 
 
+class WarmupCancelled(RuntimeError):
+    """The warm-up was asked to stop (shutdown during start-up)."""
+
+
 class UnknownShapeError(ValueError):
     """A graph shape that is not in the bucket table: refused, not compiled."""
 
@@ -227,15 +231,19 @@ class ModelRunner:
         keys: Iterable[Any] | None = None,
         progress: Callable[[Any, float, int, int], None] | None = None,
         builder: GraphBuilder | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> float:
         """Compile (or load) and run every graph once, in the table's fixed order; then forbid recompiles.
         With a builder, graphs missing from the store are split between this process and the builder's
-        workers; this process warms its share first, then loads the others' artifacts."""
+        workers; this process warms its share first, then loads the others' artifacts. `cancelled` is asked
+        before each graph: a shutdown during a cold start waits for one compile, not for the whole table."""
         todo = list(self.keys if keys is None else keys)
         start = time.perf_counter()
         self.accountant.phase = "warmup"
         todo, pending = self._share_out(todo, builder)
         for done, key in enumerate(todo, 1):
+            if cancelled is not None and cancelled():
+                raise WarmupCancelled(f"warm-up cancelled after {done - 1} of {len(todo)} graphs")
             if pending and key in pending[0]:
                 self._collect(pending)
             t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from typing import Any
 from buckets import PromptTooLongError
 from buckets.scheduler import ChunkStep, PrefillStep, Scheduler, Sequence, Step
 from buckets.scheduler import QueueFullError as _SchedulerQueueFull
+from models.runner import WarmupCancelled
 from models.sampling import SampledToken, SamplingParams
 from server.engine_model import CacheMissingError, EngineModel
 from server.hooks import SafeHooks
@@ -84,9 +85,18 @@ class Engine:
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
+        warming = not self.model.is_ready
+        self.model.cancel_warmup()
         if self._thread is not None:
-            self._thread.join(timeout)
+            # A compile in progress cannot be interrupted: during warm-up, do not wait it out (the caller
+            # exits the process; see `thread_busy`).
+            self._thread.join(min(timeout, 2.0) if warming else timeout)
         self.abort_all("drain")
+
+    @property
+    def thread_busy(self) -> bool:
+        """The engine thread outlived stop(): it is inside a compile that cannot be interrupted."""
+        return self._thread is not None and self._thread.is_alive()
 
     def begin_drain(self) -> None:
         self._draining = True
@@ -181,6 +191,9 @@ class Engine:
     def _main(self) -> None:
         try:
             self.model.load_and_warm()
+        except WarmupCancelled:
+            log.info("warm-up cancelled: shutting down")
+            return
         except CacheMissingError as exc:
             # Alive but never ready: /health 200, /ready 503 with the reason, until stopped.
             log.error("%s", exc)

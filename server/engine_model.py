@@ -78,6 +78,8 @@ class EngineModel:
         self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused,
                                             on_rejected=self._on_rejected)
         self._ready = threading.Event()
+        self._cancel = threading.Event()  # set by the engine's stop: a warm-up in progress ends early
+        self._builder: ProcessBuilder | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -116,7 +118,9 @@ class EngineModel:
         builders = resolve_compile_workers(s.compile_workers) - 1 if self.runner.store is not None else 0
         spec = BuildSpec(self.path, self.dtype, s.device, self.table, compile_settings, self.num_threads)
         with ProcessBuilder(spec, builders) as builder:
-            seconds = self.runner.warmup(keys, progress=self._on_warm, builder=builder)
+            self._builder = builder
+            seconds = self.runner.warmup(keys, progress=self._on_warm, builder=builder,
+                                         cancelled=self._cancel.is_set)
         self.progress.finished = time.monotonic()
         log.info("warm-up done: %d graphs in %.1f s, %d compilations", self.progress.done, seconds,
                  self.accountant.count())
@@ -187,6 +191,14 @@ class EngineModel:
         """One token per sampling row of a step (None for a request aborted meanwhile)."""
         assert self.runner is not None
         return sample_step(self.runner, seqs, samplers, out)
+
+    def cancel_warmup(self) -> None:
+        """From the stopping thread: the warm-up ends before its next graph, and builder processes now
+        (the process could not exit while they run: Python joins its process pools at exit)."""
+        self._cancel.set()
+        builder = self._builder
+        if builder is not None:
+            builder.close(abandon=True)
 
     def close(self) -> None:
         if self.runner is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -91,4 +92,10 @@ def serve_main(settings: ServerSettings) -> int:
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, engine, settings.drain_timeout)
     asyncio.run(server.serve())
+    if engine.thread_busy:
+        # Stopped during warm-up while a graph compiles: nothing can interrupt it, and Python's exit would
+        # join inductor's compile pools (minutes). Builder processes are already gone (cancel_warmup).
+        log.warning("exiting during warm-up; the graph being compiled is abandoned")
+        logging.shutdown()
+        os._exit(0)
     return 0

@@ -163,3 +163,18 @@ def test_artifacts_of_another_model_are_stale(built: Path, tmp_path: Path) -> No
     runner = _runner(qwen, _copy(built, tmp_path), CompileAccountant(on_rejected=lambda k, r: rejected.append(r)))
     runner.warmup([GraphKey("sample", 1, 0)])
     assert rejected == ["stale: built for weights of other names, shapes or dtypes"]
+
+
+def test_cancelled_warmup_stops_between_graphs(tiny_llama: str) -> None:
+    from models.runner import WarmupCancelled
+
+    runner = ModelRunner(load_model(tiny_llama, "float32", "cpu"), TABLE, CompileSettings(backend="dynamo-eager"))
+    asked: list[int] = []
+
+    def cancelled() -> bool:
+        asked.append(1)
+        return len(asked) > 1
+
+    with pytest.raises(WarmupCancelled, match="after 1 of 3 graphs"):
+        runner.warmup(cancelled=cancelled)
+    assert runner.accountant.count() == 1 and not runner.is_serving

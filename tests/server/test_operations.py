@@ -184,3 +184,21 @@ def test_require_cached_graphs_fails_before_compiling_anything(tiny_llama: str, 
     with pytest.raises(CacheMissingError, match=f"{TINY_TABLE.num_graphs} graphs were not in the compile cache"):
         model.load_and_warm()
     assert model.accountant.count() == 0
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_cold_start_stops_the_warmup_and_its_builders(tiny_llama: str, tmp_path: Path) -> None:
+    """A pod deleted while it compiles: the server exits 0 after at most the graph in progress, and the
+    builder process compiling the other half goes with it."""
+    server = ServerProcess(tiny_llama, *TINY_FLAGS, "--compile-backend", "inductor", "--compile-workers", "2",
+                           "--compile-cache-dir", str(tmp_path / "cache"), log_path=tmp_path / "server.log")
+    deadline = time.monotonic() + 300
+    while "builder processes" not in (tmp_path / "server.log").read_text():
+        assert time.monotonic() < deadline and server.proc.poll() is None
+        time.sleep(0.2)
+    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert server.stop() == 0
+    alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and "zombie" not in
+             open(f"/proc/{pid}/status").read().lower()]
+    assert not alive, alive
+    assert "exiting during warm-up" in (tmp_path / "server.log").read_text()
