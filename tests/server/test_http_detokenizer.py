@@ -8,7 +8,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.detokenizer import IncrementalDetokenizer, StopMatcher
+from server.detokenizer import IncrementalDetokenizer
+from server.stop_strings import StopMatcher
 
 TEXTS = ["hello world", "Héllo wörld — naïve", "日本語のテキスト", "emoji 😀🚀✨ end", "a😀b日c", "the cat sat"]
 
