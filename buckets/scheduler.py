@@ -26,11 +26,13 @@ from buckets.table import BucketTable
 
 
 class QueueFullError(RuntimeError):
-    """Admission refused: the waiting queue is at its request or token limit."""
+    """Admission refused (429): the waiting queue is at its request or token limit. The engine adds its
+    estimate of when to retry (`retry_after`, seconds); the scheduler alone cannot know it."""
 
-    def __init__(self, reason: str, limit: int) -> None:
+    def __init__(self, reason: str, limit: int, retry_after: float | None = None) -> None:
         self.reason = reason  # "requests" | "tokens"
         self.limit = limit
+        self.retry_after = retry_after
         super().__init__(f"server busy: the waiting queue is at its limit of {limit} {reason}")
 
 

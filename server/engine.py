@@ -17,7 +17,6 @@ from typing import Any
 
 from buckets import PromptTooLongError
 from buckets.scheduler import ChunkStep, PrefillStep, Scheduler, Sequence, Step
-from buckets.scheduler import QueueFullError as _SchedulerQueueFull
 from models.sampling import SampledToken, SamplingParams
 from server.engine_model import CacheMissingError, EngineModel
 from server.hooks import SafeHooks
@@ -169,8 +168,9 @@ class Engine:
                     seq = Sequence(rid, len(prompt_ids), p.max_tokens, stop_ids)
                     try:
                         self._scheduler.add(seq)
-                    except _SchedulerQueueFull as exc:
-                        raise QueueFullError(exc.reason, self.retry_after()) from exc
+                    except QueueFullError as exc:
+                        exc.retry_after = self.retry_after()
+                        raise
                     handle = RequestHandle(rid, len(prompt_ids), seq.bucket, seq.bucket - len(prompt_ids), loop,
                                            self.abort)
                     active = ActiveRequest(handle, seq, self.model.sampler(p, prompt_ids), prompt_ids, now, deadline)

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import AsyncIterator, Callable
 
+from buckets.scheduler import QueueFullError
+
+__all__ = ["DrainingError", "EngineDeadError", "EngineNotReadyError", "FinishReason", "InvalidTokenError",
+           "QueueFullError", "RequestHandle", "TokenEvent", "WarmupProgress", "deliver_step"]
+
 
 class FinishReason(StrEnum):
     """Why a sequence ended. The engine reports the first four; the HTTP layer adds STOP_STRING when it
@@ -32,15 +37,6 @@ class FinishReason(StrEnum):
 
 _TGI_FINISH = {FinishReason.STOP: "eos_token", FinishReason.STOP_STRING: "stop_sequence",
                FinishReason.LENGTH: "length"}
-
-
-class QueueFullError(RuntimeError):
-    """Admission refused (429): the waiting queue is at its request or token limit."""
-
-    def __init__(self, reason: str, retry_after: float) -> None:
-        self.reason = reason
-        self.retry_after = retry_after
-        super().__init__(f"server busy: too many waiting {reason}; retry after {retry_after:.0f} s")
 
 
 class EngineNotReadyError(RuntimeError):

@@ -145,7 +145,7 @@ class FakeEngine:
         handles = []
         with self._lock:
             if len(self._active) + len(prompts) > self.max_waiting:
-                raise QueueFullError("requests", 4.0)
+                raise QueueFullError("requests", self.max_waiting, retry_after=4.0)
             for ids, p, rid, bucket in zip(prompts, params, request_ids, buckets):
                 handle = RequestHandle(rid, len(ids), bucket, bucket - len(ids), loop, self.abort)
                 stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
