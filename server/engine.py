@@ -151,7 +151,6 @@ class Engine:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         deadline = now + self.request_timeout if self.request_timeout > 0 else float("inf")
-        admitted: list[ActiveRequest] = []
         with self._wake:
             # Checked under the lock: a failing engine clears _active under it, so no request slips in after.
             if self._failed is not None or self._stopping or (self._thread is not None and not self._thread.is_alive()):
@@ -160,29 +159,25 @@ class Engine:
                 raise DrainingError(self.retry_after())
             if not self.model.is_ready:
                 raise EngineNotReadyError(max(1.0, self.model.progress.eta()))
+            if len(set(request_ids)) < len(request_ids) or any(rid in self._active for rid in request_ids):
+                raise ValueError(f"request ids {request_ids!r} are already in use")
+            seqs = [Sequence(rid, len(prompt_ids), p.max_tokens,
+                             frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids))
+                    for prompt_ids, p, rid in zip(prompts, params, request_ids, strict=True)]
+            samplers = [self.model.sampler(p, prompt_ids) for prompt_ids, p in zip(prompts, params)]
             try:
-                for prompt_ids, p, rid in zip(prompts, params, request_ids, strict=True):
-                    if rid in self._active:
-                        raise ValueError(f"request id {rid!r} is already in use")
-                    stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
-                    seq = Sequence(rid, len(prompt_ids), p.max_tokens, stop_ids)
-                    try:
-                        self._scheduler.add(seq)
-                    except QueueFullError as exc:
-                        exc.retry_after = self.retry_after()
-                        raise
-                    handle = RequestHandle(rid, len(prompt_ids), seq.bucket, seq.bucket - len(prompt_ids), loop,
-                                           self.abort)
-                    active = ActiveRequest(handle, seq, self.model.sampler(p, prompt_ids), prompt_ids, now, deadline)
-                    self._active[rid] = active
-                    admitted.append(active)
-            except BaseException:
-                for active in admitted:  # the lock is still held: the engine thread never saw them
-                    self._scheduler.abort(active.handle.request_id)
-                    del self._active[active.handle.request_id]
+                self._scheduler.add_many(seqs)  # all or none
+            except QueueFullError as exc:
+                exc.retry_after = self.retry_after()
                 raise
+            handles = []
+            for prompt_ids, sampler, seq in zip(prompts, samplers, seqs):
+                handle = RequestHandle(seq.request_id, len(prompt_ids), seq.bucket, seq.bucket - len(prompt_ids),
+                                       loop, self.abort)
+                self._active[seq.request_id] = ActiveRequest(handle, seq, sampler, prompt_ids, now, deadline)
+                handles.append(handle)
             self._wake.notify_all()
-        return [active.handle for active in admitted]
+        return handles
 
     def abort(self, request_id: str, reason: str = "client", message: str | None = None) -> None:
         """Thread-safe; frees the slot before the next step. The stream ends with finish_reason 'abort'."""
