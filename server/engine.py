@@ -142,7 +142,7 @@ class Engine:
     def submit_many(self, prompts: list[list[int]], params: list[SamplingParams],
                     request_ids: list[str]) -> list[RequestHandle]:
         """Admit several sequences (the n choices of one request) atomically: all are queued, or none is
-        and the first refusal propagates. Each is checked against the bucket table once (Scheduler.add)."""
+        and the refusal propagates. Each is checked against the bucket table once (Scheduler.add_many)."""
         limit = self.vocab_limit
         for prompt_ids in prompts:
             for token in prompt_ids:
