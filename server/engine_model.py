@@ -69,8 +69,9 @@ class EngineModel:
         self.name = settings.served_model_name or model_display_name(model_path)
         self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        # Rows of the embedding table: an id past it would fail the whole step it is batched into.
-        self.vocab_limit = int(getattr(text_config, "vocab_size", 0) or len(self.tokenizer))
+        # Rows of the embedding table (an id past it would fail the whole step it is batched into), and no
+        # more than the tokenizer can decode: the one limit on client token ids, HTTP and engine alike.
+        self.vocab_limit = min(int(getattr(text_config, "vocab_size", 0) or len(self.tokenizer)), len(self.tokenizer))
         self.progress = WarmupCounter(self.table.num_graphs)
         self.runner: ModelRunner | None = None
         self._decode_tokens = torch.zeros(self.table.max_batch, dtype=torch.long)  # host input buffers
