@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Sequence
 
 from server.config import SettingsError, add_server_arguments, settings_from_args
@@ -33,14 +32,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ver = sub.add_parser("verify", help="compare the serving path (or --against a server) with the float32 "
                                         "reference on every bucket; non-zero exit on a mismatch")
     add_server_arguments(ver)
-    from server.verify import add_arguments as add_verify_arguments
+    from server.commands.verify import add_arguments as add_verify_arguments
 
     add_verify_arguments(ver)
 
     plan = sub.add_parser("plan", help="fit length buckets to a traffic sample under a graph budget")
     bench = sub.add_parser("bench", help="benchmark OpenAI-compatible servers with production-like load")
     try:
-        from server import plan_command
+        from planner import command as plan_command
 
         plan_command.add_arguments(plan)
     except ImportError:  # pragma: no cover - optional pieces
@@ -53,26 +52,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
 
     args = parser.parse_args(argv)
-    from server.logs import configure_logging
+    from server.commands.logs import configure_logging
 
     configure_logging(getattr(args, "log_format", "text") or "text")
     try:
         if args.command == "serve":
-            from server.serve import serve_main
+            from server.commands.serve import serve_main
 
             return serve_main(settings_from_args(args))
         if args.command == "precompile":
-            from server.precompile import precompile_main
+            from server.commands.precompile import precompile_main
 
             return precompile_main(settings_from_args(args))
         if args.command == "generate":
-            return _generate(args)
+            from server.commands.generate import generate_main
+
+            return generate_main(settings_from_args(args), args)
         if args.command == "verify":
-            from server.verify import verify_main
+            from server.commands.verify import verify_main
 
             return verify_main(settings_from_args(args), args)
         if args.command == "plan":
-            from server import plan_command
+            from planner import command as plan_command
 
             return plan_command.run(args)
         if args.command == "bench":
@@ -83,62 +84,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
         return 2
     return 2
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from buckets import PromptTooLongError
-    from models.generator import generate_one
-    from models.loading import resolve_model_path
-    from models.sampling import SamplingError, SamplingParams
-    from server.engine_model import EngineModel
-
-    settings = settings_from_args(args)
-    path = resolve_model_path(settings.model, settings.model_cache_dir or None)
-    model = EngineModel(settings, path)
-    tok = model.tokenizer
-    if args.chat:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    else:
-        ids = tok.encode(args.prompt)
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
-        bucket = model.table.check_request(len(ids), params.max_tokens)
-    except (SamplingError, PromptTooLongError) as exc:
-        print(f"bucketserve: error: {exc}", file=sys.stderr)
-        return 2
-    t0 = time.monotonic()
-    from buckets import GraphKey
-
-    # One request needs its prefill bucket and the smallest decode batch at the KV buckets it will reach.
-    table = model.table
-    last_kv = table.kv_for(len(ids) + params.max_tokens)
-    decode_keys = [GraphKey("decode", table.batch_sizes[0], kv) for kv in table.kv_lengths if kv <= last_kv]
-    # A prompt past the largest length bucket is prefilled in chunks: its first chunk, then chunk graphs.
-    chunked = bucket > table.max_length
-    chunk_keys = [GraphKey("chunk", 1, kv) for kv in table.chunk_kv_lengths if kv <= last_kv] if chunked else []
-    prefill_key = GraphKey("prefill", table.prefill_batch_sizes[0], min(bucket, table.max_length))
-    model.load_and_warm([*decode_keys, *chunk_keys, prefill_key])
-    warm = time.monotonic() - t0
-    assert model.runner is not None
-    result = generate_one(model.runner, ids, params, bucket, model.eos_token_ids)
-    text = tok.decode(result.token_ids, skip_special_tokens=True)
-    print(text)
-    decode = result.decode_seconds
-    tps = len(decode) / sum(decode) if decode else 0.0
-    print(
-        f"\n[bucket {bucket} (prompt {len(ids)} tokens, {bucket - len(ids)} padding) | "
-        f"warm-up {warm:.1f} s for {model.runner.num_graphs} graphs, "
-        f"{model.accountant.count('warmup')} compiled, {model.accountant.count('serving')} after warm-up | "
-        f"prefill {result.prefill_seconds * 1000:.1f} ms | decode {len(decode)} steps, "
-        f"{(sum(decode) / len(decode) * 1000) if decode else 0:.1f} ms/token, {tps:.1f} tokens/s | "
-        f"finish {result.finish_reason}]",
-        file=sys.stderr,
-    )
-    model.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from server.testing import build_tiny_checkpoint
+from tests.support.tiny import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ FORBIDDEN = {
     "buckets": {"torch", "transformers", "models", "server", "starlette", "uvicorn", "prometheus_client", "numpy"},
     "models": {"server", "buckets", "starlette", "uvicorn", "prometheus_client", "pydantic", "httpx"},
     "bench": {"server", "models", "torch", "starlette", "uvicorn"},
+    "planner": {"server", "models", "torch", "starlette", "uvicorn", "pydantic"},
 }
 
 
@@ -45,16 +46,17 @@ def test_web_stack_only_in_server() -> None:
 
 
 # The HTTP layer of server/: it builds and validates records, never runs the model.
-HTTP_MODULES = ("server.app", "server.protocol", "server.protocol_openai", "server.protocol_tgi", "server.errors",
-                "server.limits", "server.admission", "server.output", "server.routes_openai", "server.routes_tgi",
-                "server.routes_common", "server.routes_runs", "server.routes_misc", "server.detokenizer",
-                "server.stop_strings", "server.engine_types")
-MODEL_STACK = ("torch", "transformers", "models.runner", "models.sampling", "server.engine", "server.engine_model")
+HTTP_MODULES = ("server.http.app", "server.http.protocol", "server.http.protocol_openai", "server.http.protocol_tgi",
+                "server.http.errors", "server.http.limits", "server.http.admission", "server.http.output",
+                "server.http.routes_openai", "server.http.routes_tgi", "server.http.state", "server.http.runs",
+                "server.http.routes_misc", "server.http.detokenizer", "server.http.stop_strings",
+                "server.engine.interface")
+MODEL_STACK = ("torch", "transformers", "models.runner", "models.sampling", "server.engine.engine", "server.engine.model")
 
 
 def test_http_layer_does_not_load_the_model_stack() -> None:
     """Importing the HTTP modules (a fresh interpreter) loads neither torch nor transformers nor the runner:
-    pure records (models.params, server.engine_types) are what crosses into it."""
+    pure records (models.params, server.engine.interface) are what crosses into it."""
     code = (f"import sys\nimport {', '.join(HTTP_MODULES)}\n"
             f"print(','.join(m for m in {MODEL_STACK!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.bench.fake_openai import FIRST_DELAY, MODEL, SLOW_DELAY, FakeServer, header_bucket
-
 from bench.cli import main
 from bench.client import ApiMode
 from bench.loadgen import run_level_sync, send_one
 from bench.prompts import Prompt
 from bench.runner import RunOptions, probe_mode
 from bench.servers import free_port
+from tests.bench.fake_openai import FIRST_DELAY, MODEL, SLOW_DELAY, FakeServer, header_bucket
 
 
 def _prompt(n_prompt: int = 40, n_out: int = 6) -> Prompt:

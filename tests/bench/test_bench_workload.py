@@ -6,14 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.workload import (
-    LengthDist,
-    WorkloadError,
-    WorkloadSpec,
-    parse_length_dist,
-    plan_requests,
-    read_prompts_file,
-)
+from bench.workload import LengthDist, WorkloadError, WorkloadSpec, parse_length_dist, plan_requests, read_prompts_file
 
 
 def test_parse_length_dist_forms() -> None:

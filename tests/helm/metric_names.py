@@ -46,7 +46,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bucketserve_requests_total": ("counter", ("endpoint", "status")),
     "bucketserve_requests_rejected_total": ("counter", ("reason",)),
     "bucketserve_requests_aborted_total": ("counter", ("reason",)),
-    # not in the original issue's list, but server/metrics.py exports it
+    # not in the original issue's list, but server/metrics/prometheus.py exports it
     "bucketserve_requests_finished_total": ("counter", ("finish_reason",)),
     "bucketserve_generation_tokens_total": ("counter", ()),
     # build and model information (labels are free-form)

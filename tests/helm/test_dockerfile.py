@@ -104,7 +104,7 @@ def test_dockerignore_keeps_only_what_the_build_needs() -> None:
                 if line.strip() and not line.startswith("#")]
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     needed = ["pyproject.toml", pyproject["project"]["readme"]]
-    needed += [f"{package}/__init__.py" for package in pyproject["tool"]["setuptools"]["packages"]]
+    needed += [f"{package.replace('.', '/')}/__init__.py" for package in pyproject["tool"]["setuptools"]["packages"]]
     for path in needed:
         assert not ignored(path, patterns), f"{path} is needed by `pip install .`"
     for path in (".venv/bin/python", ".git/HEAD", "tests/helm/conftest.py", "helm/bucketserve/Chart.yaml",
@@ -151,7 +151,8 @@ def test_the_build_context_builds_the_package(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     for package in pyproject["tool"]["setuptools"]["packages"]:
-        sources = {p for p in copied if p.startswith(package + "/") and p.endswith(".py")}
+        folder = package.replace(".", "/") + "/"
+        sources = {p for p in copied if p.startswith(folder) and p.count("/") == folder.count("/") and p.endswith(".py")}
         assert sources and sources <= set(names), f"{package}: {sorted(sources - set(names))} missing"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "bucketserve = server.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

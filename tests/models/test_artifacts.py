@@ -21,7 +21,7 @@ from models.graph_builder import BuildSpec, ProcessBuilder
 from models.loading import load_model
 from models.runner import ModelRunner
 from models.sampling import SamplingParams
-from server.testing import build_tiny_checkpoint
+from tests.support.tiny import build_tiny_checkpoint
 
 # decode[b1_kv16], prefill[b1_l8], sample[b1]
 TABLE = BucketTable(lengths=(8,), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=16, kv_lengths=(16,))

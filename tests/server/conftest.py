@@ -16,10 +16,10 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from buckets import BucketTable
-from server.app import create_app
 from server.config import ServerSettings
-from server.metrics import Metrics
-from tests.server.fake_engine import CHAT_TEMPLATE, FakeEngine, build_tokenizer
+from server.http.app import create_app
+from server.metrics.prometheus import Metrics
+from tests.support.fake_engine import CHAT_TEMPLATE, FakeEngine, build_tokenizer
 
 FAKE_TABLE = BucketTable(lengths=(16, 32, 64), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1,), context_length=128)
 

@@ -1,0 +1,64 @@
+"""`bucketserve generate`: one completion offline through the bucketed graphs (no HTTP, no engine thread),
+warming only the graphs this one request needs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from buckets import GraphKey, PromptTooLongError
+from models.generator import generate_one
+from models.loading import resolve_model_path
+from models.sampling import SamplingError, SamplingParams
+from server.config import ServerSettings
+from server.engine.model import EngineModel
+
+
+def generate_main(settings: ServerSettings, args: argparse.Namespace) -> int:
+
+    path = resolve_model_path(settings.model, settings.model_cache_dir or None)
+    model = EngineModel(settings, path)
+    tok = model.tokenizer
+    if args.chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    else:
+        ids = tok.encode(args.prompt)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+        bucket = model.table.check_request(len(ids), params.max_tokens)
+    except (SamplingError, PromptTooLongError) as exc:
+        print(f"bucketserve: error: {exc}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+
+    # One request needs its prefill bucket and the smallest decode batch at the KV buckets it will reach.
+    table = model.table
+    last_kv = table.kv_for(len(ids) + params.max_tokens)
+    decode_keys = [GraphKey("decode", table.batch_sizes[0], kv) for kv in table.kv_lengths if kv <= last_kv]
+    # A prompt past the largest length bucket is prefilled in chunks: its first chunk, then chunk graphs.
+    chunked = bucket > table.max_length
+    chunk_keys = [GraphKey("chunk", 1, kv) for kv in table.chunk_kv_lengths if kv <= last_kv] if chunked else []
+    prefill_key = GraphKey("prefill", table.prefill_batch_sizes[0], min(bucket, table.max_length))
+    model.load_and_warm([*decode_keys, *chunk_keys, prefill_key])
+    warm = time.monotonic() - t0
+    assert model.runner is not None
+    result = generate_one(model.runner, ids, params, bucket, model.eos_token_ids)
+    text = tok.decode(result.token_ids, skip_special_tokens=True)
+    print(text)
+    decode = result.decode_seconds
+    tps = len(decode) / sum(decode) if decode else 0.0
+    print(
+        f"\n[bucket {bucket} (prompt {len(ids)} tokens, {bucket - len(ids)} padding) | "
+        f"warm-up {warm:.1f} s for {model.runner.num_graphs} graphs, "
+        f"{model.accountant.count('warmup')} compiled, {model.accountant.count('serving')} after warm-up | "
+        f"prefill {result.prefill_seconds * 1000:.1f} ms | decode {len(decode)} steps, "
+        f"{(sum(decode) / len(decode) * 1000) if decode else 0:.1f} ms/token, {tps:.1f} tokens/s | "
+        f"finish {result.finish_reason}]",
+        file=sys.stderr,
+    )
+    model.close()
+    return 0

@@ -1,0 +1,335 @@
+"""The engine: one thread that owns the model, the runner and the scheduler; the event loop only submits
+requests and reads token events. Contract: docs/engine-interface.md.
+
+Each step reads: schedule -> run the graph for that step -> sample -> scheduler.update -> emit events.
+Events cross to the event loop with one `call_soon_threadsafe` per step (not per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from buckets import PromptTooLongError
+from buckets.scheduler import ChunkStep, PrefillStep, Scheduler, Sequence, Step
+from models.runner import WarmupCancelled
+from models.sampling import SampledToken, SamplingParams
+from server.engine.active_request import ActiveRequest
+from server.engine.interface import (
+    DrainingError,
+    EngineDeadError,
+    EngineNotReadyError,
+    InvalidTokenError,
+    QueueFullError,
+    RequestHandle,
+    TokenEvent,
+    WarmupProgress,
+    deliver_step,
+)
+from server.engine.model import CacheMissingError, EngineModel
+from server.metrics.hooks import SafeHooks
+
+__all__ = [
+    "DrainingError",
+    "Engine",
+    "EngineDeadError",
+    "EngineNotReadyError",
+    "InvalidTokenError",
+    "PromptTooLongError",
+    "QueueFullError",
+    "RequestHandle",
+    "TokenEvent",
+    "WarmupProgress",
+]
+
+log = logging.getLogger("bucketserve.engine")
+
+
+class Engine:
+    def __init__(self, model: EngineModel, *, max_waiting_requests: int = 64, max_waiting_tokens: int = 65536,
+                 request_timeout: float = 0.0, metrics: Any = None, batching: str = "continuous",
+                 log_prompts: bool = False) -> None:
+        self.model = model
+        self.table = model.table
+        self.tokenizer = model.tokenizer
+        self.model_name = model.name
+        self.eos_token_ids = model.eos_token_ids
+        self.vocab_limit = model.vocab_limit  # the one bound on client token ids (HTTP checks against it too)
+        self.metrics = SafeHooks(metrics)
+        self.request_timeout = request_timeout
+        self.log_prompts = log_prompts
+        self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens, batching)
+        self._lock = threading.Lock()  # guards the scheduler and _active between the loop and the thread
+        self._wake = threading.Condition(self._lock)
+        self._active: dict[str, ActiveRequest] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._draining = False
+        self._failed: str | None = None
+        self._not_ready: str | None = None
+        self._finished_times: deque[float] = deque(maxlen=256)  # completion times, for Retry-After
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._main, name="bucketserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        warming = not self.model.is_ready
+        self.model.cancel_warmup()
+        if self._thread is not None:
+            # A compile in progress cannot be interrupted: during warm-up, do not wait it out (the caller
+            # exits the process; see `thread_busy`).
+            self._thread.join(min(timeout, 2.0) if warming else timeout)
+        self.abort_all("drain")
+
+    @property
+    def thread_busy(self) -> bool:
+        """The engine thread outlived stop(): it is inside a compile that cannot be interrupted."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def begin_drain(self) -> None:
+        self._draining = True
+        self.metrics.set_ready(False)
+
+    def abort_all(self, reason: str, message: str | None = None) -> None:
+        """End every waiting and running request with finish_reason 'abort' (drain timeout, shutdown)."""
+        with self._lock:
+            ids = list(self._active)
+        for request_id in ids:
+            self.abort(request_id, reason, message)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no request is waiting or running (used by graceful drain)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._active:
+                    return True
+            time.sleep(0.05)
+        return False
+
+    # -- state ---------------------------------------------------------------------------------------
+    def progress(self) -> WarmupProgress:
+        p = self.model.progress
+        return WarmupProgress(p.done, p.total, p.seconds, self.model.is_ready and not self._draining,
+                              self._draining, self._failed or self._not_ready)
+
+    def is_ready(self) -> bool:
+        return self.model.is_ready and not self._draining and self.is_alive()
+
+    def is_alive(self) -> bool:
+        return self._failed is None and (self._thread is None or self._thread.is_alive() or self._stopping)
+
+    def num_running(self) -> int:
+        return self._scheduler.num_running
+
+    def num_waiting(self) -> int:
+        return self._scheduler.num_waiting
+
+    def retry_after(self) -> float:
+        """Seconds until a queued request is likely to start, from the measured completion rate."""
+        now = time.monotonic()
+        recent = [t for t in self._finished_times if now - t < 60.0]
+        rate = len(recent) / 60.0 if recent else 0.0
+        backlog = self._scheduler.num_waiting + 1
+        return float(min(60, max(1, round(backlog / rate)))) if rate > 0 else 5.0
+
+    # -- requests (event-loop side) --------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        return self.submit_many([prompt_ids], [params], [request_id or f"req-{uuid.uuid4().hex[:16]}"])[0]
+
+    def submit_many(self, prompts: list[list[int]], params: list[SamplingParams],
+                    request_ids: list[str]) -> list[RequestHandle]:
+        """Admit several sequences (the n choices of one request) atomically: all are queued, or none is
+        and the refusal propagates. Each is checked against the bucket table once (Scheduler.add_many)."""
+        limit = self.vocab_limit
+        for prompt_ids in prompts:
+            for token in prompt_ids:
+                if not 0 <= token < limit:
+                    raise InvalidTokenError(token, limit)
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        deadline = now + self.request_timeout if self.request_timeout > 0 else float("inf")
+        with self._wake:
+            # Checked under the lock: a failing engine clears _active under it, so no request slips in after.
+            if self._failed is not None or self._stopping or (self._thread is not None and not self._thread.is_alive()):
+                raise EngineDeadError(f"the engine has stopped: {self._failed or 'shutting down'}")
+            if self._draining:
+                raise DrainingError(self.retry_after())
+            if not self.model.is_ready:
+                raise EngineNotReadyError(max(1.0, self.model.progress.eta()))
+            if len(set(request_ids)) < len(request_ids) or any(rid in self._active for rid in request_ids):
+                raise ValueError(f"request ids {request_ids!r} are already in use")
+            seqs = [Sequence(rid, len(prompt_ids), p.max_tokens,
+                             frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids))
+                    for prompt_ids, p, rid in zip(prompts, params, request_ids, strict=True)]
+            samplers = [self.model.sampler(p, prompt_ids) for prompt_ids, p in zip(prompts, params)]
+            try:
+                self._scheduler.add_many(seqs)  # all or none
+            except QueueFullError as exc:
+                exc.retry_after = self.retry_after()
+                raise
+            handles = []
+            for prompt_ids, sampler, seq in zip(prompts, samplers, seqs):
+                handle = RequestHandle(seq.request_id, len(prompt_ids), seq.bucket, seq.bucket - len(prompt_ids),
+                                       loop, self.abort)
+                self._active[seq.request_id] = ActiveRequest(handle, seq, sampler, prompt_ids, now, deadline)
+                handles.append(handle)
+            self._wake.notify_all()
+        return handles
+
+    def abort(self, request_id: str, reason: str = "client", message: str | None = None) -> None:
+        """Thread-safe; frees the slot before the next step. The stream ends with finish_reason 'abort'."""
+        with self._lock:
+            active = self._active.pop(request_id, None)
+            if active is None:
+                return
+            self._scheduler.abort(request_id)
+        active.handle.push([TokenEvent(None, None, (), "abort", message)])  # first: nothing may prevent it
+        # A stop string is a normal end for the client ("stop"); everything else is an abort.
+        self._account_end(active, reason, "stop" if reason == "stop_string" else "abort")
+
+    # -- the engine thread -------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.model.load_and_warm()
+        except WarmupCancelled:
+            log.info("warm-up cancelled: shutting down")
+            return
+        except CacheMissingError as exc:
+            # Alive but never ready: /health 200, /ready 503 with the reason, until stopped.
+            log.error("%s", exc)
+            self._not_ready = str(exc)
+            with self._wake:
+                while not self._stopping:
+                    self._wake.wait(1.0)
+            return
+        except Exception as exc:  # noqa: BLE001 - any load/warm-up failure makes the server unhealthy
+            log.exception("engine failed to load or warm up")
+            self._failed = f"{type(exc).__name__}: {exc}"
+            self._fail_all(self._failed)
+            return
+        try:
+            while True:
+                with self._wake:
+                    if self._stopping:
+                        return
+                    expired = self._expire_deadlines()
+                    step = None if expired else self._scheduler.schedule()
+                    if step is None and not expired:
+                        self._publish_load()
+                        self._wake.wait(0.5)
+                        continue
+                    prompts = self._start(step) if isinstance(step, PrefillStep) else self._prompts(step)
+                    stalls = self._scheduler.num_decoding if isinstance(step, (PrefillStep, ChunkStep)) else 0
+                for rid in expired:
+                    self.abort(rid, "timeout", "request timed out")
+                if step is not None:
+                    t0 = time.monotonic()
+                    self._run(step, prompts)
+                    if stalls:
+                        self.metrics.decode_stalled(time.monotonic() - t0)
+        except Exception as exc:  # noqa: BLE001 - the engine cannot continue: /health turns 503
+            log.exception("engine loop failed")
+            self._failed = f"{type(exc).__name__}: {exc}"
+            self.metrics.set_ready(False)
+            self._fail_all(self._failed)
+        finally:
+            self.model.close()
+
+    def _start(self, step: PrefillStep) -> dict[str, list[int]]:
+        """Lock held: the prompts of a prefill step, and its requests' queue time."""
+        now = time.monotonic()
+        prompts = {}
+        for seq in step.seqs:
+            active = self._active[seq.request_id]
+            active.started = True
+            prompts[seq.request_id] = active.prompt_ids
+            self.metrics.request_started(seq.bucket, now - active.arrival)
+        return prompts
+
+    def _prompts(self, step: Step | None) -> dict[str, list[int]]:
+        """Lock held: the prompts a chunk step reads (a decode step reads none)."""
+        if isinstance(step, ChunkStep):
+            return {step.seq.request_id: self._active[step.seq.request_id].prompt_ids}
+        return {}
+
+    def _run(self, step: Step, prompts: dict[str, list[int]]) -> None:
+        try:
+            logits = self.model.run_step(step, prompts.__getitem__)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
+            log.exception("step %s failed", type(step).__name__)
+            for seq in step.seqs:
+                self._finish_error(seq.request_id, f"{type(exc).__name__}: {exc}")
+            return
+        with self._lock:
+            owners = [self._active.get(seq.request_id) for seq in step.sampling_seqs]
+        # Sampling runs outside the lock: each sampler belongs to its request and to this thread alone.
+        tokens = self.model.sample(step.sampling_seqs, [a.sampler if a else None for a in owners], logits)
+        sampled: dict[str, SampledToken] = {}
+        for seq, token in zip(step.sampling_seqs, tokens):
+            if isinstance(token, Exception):  # one request's failure is that request's alone
+                self._finish_error(seq.request_id, f"sampling failed: {token}")
+            elif token is not None:
+                sampled[seq.request_id] = token
+        now = time.monotonic()
+        out: list[tuple[ActiveRequest, TokenEvent]] = []
+        with self._lock:
+            live = {rid: tok for rid, tok in sampled.items() if rid in self._active}
+            finished = {s.request_id: s.finish_reason for s in
+                        self._scheduler.update(step, {rid: tok.token_id for rid, tok in live.items()})}
+            for rid, tok in live.items():
+                reason = finished.get(rid)
+                active = self._active.pop(rid) if reason is not None else self._active[rid]
+                out.append((active, TokenEvent(tok.token_id, tok.logprob, tok.top_logprobs, reason)))
+        deliver_step([(active.handle, [event]) for active, event in out])
+        for active, event in out:
+            self._account_token(active, now, event.finish_reason)
+        self._publish_load()
+
+    # -- bookkeeping -----------------------------------------------------------------------------------
+    def _account_token(self, active: ActiveRequest, now: float, reason: str | None) -> None:
+        active.on_token(now, reason, self.metrics, self.tokenizer if self.log_prompts else None)
+        if reason is not None:
+            self._finished_times.append(now)
+
+    def _finish_error(self, request_id: str, message: str) -> None:
+        with self._lock:
+            active = self._active.pop(request_id, None)
+            self._scheduler.abort(request_id)
+        if active is not None:
+            active.handle.push([TokenEvent(None, None, (), "error", message)])
+            self._account_end(active, "error", "error")
+
+    def _account_end(self, active: ActiveRequest, abort_reason: str, finish_reason: str) -> None:
+        active.on_end(abort_reason, finish_reason, self.metrics, self.tokenizer if self.log_prompts else None)
+
+    def _expire_deadlines(self) -> list[str]:
+        """Lock held: the requests past their deadline (aborted by the caller, outside the lock)."""
+        if self.request_timeout <= 0:
+            return []
+        now = time.monotonic()
+        return [rid for rid, active in self._active.items() if now >= active.deadline]
+
+    def _fail_all(self, message: str) -> None:
+        """The engine cannot continue: every request ends with an error event."""
+        with self._lock:
+            ids = list(self._active)
+        for request_id in ids:
+            self._finish_error(request_id, message)
+
+    def _publish_load(self) -> None:
+        free = self.table.max_batch - self._scheduler.num_running
+        self.metrics.set_load(self._scheduler.num_running, self._scheduler.num_waiting, free)
+

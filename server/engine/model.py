@@ -1,0 +1,245 @@
+"""What the engine thread drives: weights, runner, warm-up and one step of the scheduler's plan.
+
+Built on the event loop's side cheaply (tokenizer, config, bucket table); the heavy part (weights, cache,
+compilation) runs in `load_and_warm`, on the engine thread, so the HTTP port is open during warm-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from buckets import BucketTable, GraphKey
+from buckets.scheduler import ChunkStep, PrefillStep, Sequence, Step
+from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key
+from models.graph_builder import BuildSpec, ProcessBuilder
+from models.hardware import resolve_compile_workers, resolve_dtype, resolve_num_threads
+from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
+from models.runner import ModelRunner, PrefillRow
+from models.sampling import SampledToken, Sampler, SamplingParams
+from server.config import ServerSettings
+from server.engine.step_sampling import StepLogits, sample_step
+from server.metrics.hooks import SafeHooks
+
+log = logging.getLogger("bucketserve.warmup")
+
+
+class CacheMissingError(RuntimeError):
+    """--require-cached-graphs: a graph was compiled instead of loaded from the compile cache."""
+
+
+@dataclass
+class WarmupCounter:
+    total: int
+    done: int = 0
+    started: float = field(default_factory=time.monotonic)
+    finished: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    def eta(self) -> float:
+        if self.done == 0:
+            return 30.0
+        return self.seconds / self.done * (self.total - self.done)
+
+
+class EngineModel:
+    def __init__(self, settings: ServerSettings, model_path: str, metrics: Any = None,
+                 table: BucketTable | None = None) -> None:
+        from transformers import AutoConfig
+
+        self.settings = settings
+        self.path = model_path
+        # "auto" settings resolved once, here: everything after (loading, cache key, info) uses these.
+        self.dtype = resolve_dtype(settings.dtype, settings.device)
+        self.num_threads = resolve_num_threads(settings.num_threads)
+        self.metrics = SafeHooks(metrics)
+        self.tokenizer: Any = load_tokenizer(model_path)
+        self.config = AutoConfig.from_pretrained(model_path)
+        self.table = table or settings.bucket_table(max_positions(self.config))
+        self.name = settings.served_model_name or model_display_name(model_path)
+        self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
+        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        # Rows of the embedding table (an id past it would fail the whole step it is batched into), and no
+        # more than the tokenizer can decode: the one limit on client token ids, HTTP and engine alike.
+        self.vocab_limit = min(int(getattr(text_config, "vocab_size", 0) or len(self.tokenizer)), len(self.tokenizer))
+        self.progress = WarmupCounter(self.table.num_graphs)
+        self.runner: ModelRunner | None = None
+        self._decode_tokens = torch.zeros(self.table.max_batch, dtype=torch.long)  # host input buffers
+        self._decode_positions = torch.zeros(self.table.max_batch, dtype=torch.long)
+        self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused,
+                                            on_rejected=self._on_rejected)
+        self._ready = threading.Event()
+        self._cancel = threading.Event()  # set by the engine's stop: a warm-up in progress ends early
+        self._builder: ProcessBuilder | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    def sampler(self, params: SamplingParams, prompt_ids: list[int]) -> Sampler:
+        return Sampler(params, prompt_ids)
+
+    # -- engine thread ---------------------------------------------------------------------------------
+    def load_and_warm(self, keys: list[GraphKey] | None = None) -> None:
+        """Load weights and warm `keys` (default: every graph of the table)."""
+        s = self.settings
+        torch.set_num_threads(self.num_threads)
+        t0 = time.monotonic()
+        model = load_model(self.path, self.dtype, s.device)
+        log.info("loaded %s (%s, %s, %d compute threads) in %.1f s", self.name, self.dtype, s.device,
+                 self.num_threads, time.monotonic() - t0)
+        compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
+                                           s.inductor_freezing)
+        self.runner = ModelRunner(model, self.table, compile_settings, self.accountant)
+        log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, context %d: "
+                 "%d graphs", list(self.table.lengths), list(self.table.batch_sizes),
+                 list(self.table.prefill_batch_sizes), list(self.table.kv_lengths), self.table.context_length,
+                 self.runner.num_graphs)
+        store = self.runner.store
+        if s.require_cached_graphs and store is not None:
+            # Fail before compiling anything: every graph must have its saved artifact.
+            missing = [str(k) for k in (keys or self.runner.keys) if not store.has(k)]
+            if missing:
+                raise CacheMissingError(f"{len(missing)} graphs were not in the compile cache: {', '.join(missing)}")
+        self.metrics.warmup_progress(0, self.table.num_graphs)
+        self.progress.started = time.monotonic()
+        if keys is not None:
+            self.progress.total = len(keys)
+        # Builders only help a cold start of saved graphs (inductor without freezing, with a cache directory).
+        builders = resolve_compile_workers(s.compile_workers) - 1 if self.runner.store is not None else 0
+        spec = BuildSpec(self.path, self.dtype, s.device, self.table, compile_settings, self.num_threads)
+        with ProcessBuilder(spec, builders) as builder:
+            self._builder = builder
+            seconds = self.runner.warmup(keys, progress=self._on_warm, builder=builder,
+                                         cancelled=self._cancel.is_set)
+        self.progress.finished = time.monotonic()
+        log.info("warm-up done: %d graphs in %.1f s, %d compilations", self.progress.done, seconds,
+                 self.accountant.count())
+        hits = sum(1 for r in self.accountant.records if r.cache_hit)
+        if compile_settings.cache_dir:
+            log.info("compile cache %s: %d of %d graphs loaded from the cache", compile_settings.cache_dir, hits,
+                     len(self.accountant.records))
+        if s.require_cached_graphs:
+            missing = [str(r.key) for r in self.accountant.records if not r.cache_hit]
+            if missing:
+                raise CacheMissingError(f"{len(missing)} graphs were not in the compile cache: {', '.join(missing)}")
+        self.metrics.warmup_finished(seconds)
+        self.metrics.set_ready(True)
+        self._ready.set()
+
+    def compile_cache_dir(self) -> str:
+        """The keyed subdirectory of --compile-cache-dir for this model, dtype, device, buckets and versions."""
+        root = self.settings.compile_cache_dir
+        if root in ("", "none"):
+            return ""
+        if root == "auto":
+            root = str(cache_root() / "compile")
+        local = os.path.isdir(self.path)
+        weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime))
+                         for p in Path(self.path).glob("*.safetensors")) if local else []
+        parts = {"model": os.path.abspath(self.path) if local else self.path, "weights": weights,
+                 "dtype": self.dtype, "device": self.settings.device,
+                 "backend": self.settings.compile_backend, "freezing": self.settings.inductor_freezing,
+                 "buckets": self.table.to_dict(), "threads": self.num_threads}
+        return os.path.join(root, cache_key(parts))
+
+    def run_step(self, step: Step, prompt_of: Callable[[str], list[int]]) -> StepLogits:
+        """Runs the graph for one scheduler step. The logits stay where the graph left them (the sampling
+        step reads them there); `rows` says which row belongs to each of step.sampling_seqs."""
+        assert self.runner is not None
+        t0 = time.perf_counter()
+        if isinstance(step, PrefillStep):
+            # A chunked prompt's first chunk is its first `length` tokens.
+            rows = [PrefillRow(seq.slot, prompt_of(seq.request_id)[: step.length]) for seq in step.seqs]
+            logits = self.runner.prefill(rows, step.length, step.batch)
+            ends = [i for i, seq in enumerate(step.seqs) if seq.prompt_len <= step.length]
+            key = GraphKey("prefill", step.batch, step.length)
+            self.metrics.prefill_done(key, len(rows), step.padding_tokens, time.perf_counter() - t0)
+            return StepLogits(logits, ends)
+        if isinstance(step, ChunkStep):
+            seq = step.seq
+            part = prompt_of(seq.request_id)[step.offset : step.offset + step.num_tokens]
+            logits = self.runner.chunk(seq.slot, step.offset, part, step.kv)
+            self.metrics.chunk_done(GraphKey("chunk", 1, step.kv), step.padding_tokens, time.perf_counter() - t0)
+            return StepLogits(logits, [0] if step.is_final else [])
+        # Row i of a decode batch is slot i; free slots run as dummies (token 0 at position 0). The inputs are
+        # written in place into preallocated host buffers (through their numpy views: no tensor per step).
+        b = step.batch
+        tokens, positions = self._decode_tokens.numpy(), self._decode_positions.numpy()
+        tokens[:b] = 0
+        positions[:b] = 0
+        slots = [seq.slot for seq in step.seqs]
+        tokens[slots] = [seq.last_token for seq in step.seqs]
+        positions[slots] = [seq.position for seq in step.seqs]
+        for slot, position in step.parked:  # a slot mid-chunking: its dummy write lands where its next chunk writes
+            positions[slot] = position
+        logits = self.runner.decode(b, self._decode_tokens[:b], self._decode_positions[:b], step.kv)
+        self.metrics.decode_step_done(step.batch, len(step.seqs), time.perf_counter() - t0, step.padding_rows)
+        return StepLogits(logits, slots)
+
+    def sample(self, seqs: tuple[Sequence, ...], samplers: list[Sampler | None], out: StepLogits
+               ) -> list[SampledToken | Exception | None]:
+        """One token per sampling row of a step (None for a request aborted meanwhile)."""
+        assert self.runner is not None
+        return sample_step(self.runner, seqs, samplers, out)
+
+    def cancel_warmup(self) -> None:
+        """From the stopping thread: the warm-up ends before its next graph, and builder processes now
+        (the process could not exit while they run: Python joins its process pools at exit)."""
+        self._cancel.set()
+        builder = self._builder
+        if builder is not None:
+            builder.close(abandon=True)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.stop_serving()
+
+    # -- callbacks -------------------------------------------------------------------------------------
+    def _on_warm(self, key: Any, seconds: float, done: int, total: int) -> None:
+        self.progress.done = done
+        record = self.accountant.records[-1] if self.accountant.records else None
+        source = ""
+        if record is not None and record.key == key:
+            source = {True: " (from cache)", False: " (compiled)", None: " (compiled)"}[record.cache_hit]
+        log.info("warm-up %d/%d %s %.2f s%s", done, total, key, seconds, source)
+        # Against the whole table: a partial warm-up (tests, `generate`) must not look complete.
+        self.metrics.warmup_progress(done, self.table.num_graphs)
+
+    def _on_refused(self, key: Any, reason: str) -> None:
+        self.metrics.recompiled(reason)
+
+    def _on_rejected(self, key: Any, reason: str) -> None:
+        self.metrics.artifact_rejected(reason.split(":")[0])
+
+    def _on_compile(self, record: CompileRecord) -> None:
+        if record.key is None:
+            return
+        self.metrics.graph_compiled(record.key, record.seconds, record.phase)
+        if record.cache_hit is not None:
+            self.metrics.compile_cache(record.cache_hit)
+        if record.phase == "serving":
+            assert self.runner is not None
+            k = record.key
+            warmed = (k.phase, k.batch, k.length) in self.runner.warmed
+            self.metrics.recompiled("guard_failure" if warmed else "unwarmed_shape")
+
+
+def _eos_ids(config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return frozenset(ids)

@@ -1,0 +1,328 @@
+"""Prometheus metrics: every series bucketserve exports, and the hooks the engine and HTTP layer call.
+
+All metrics live on a registry the app passes in (never the global default), are prefixed
+`bucketserve_`, use base units (seconds, tokens, ratios) and, for counters, end in `_total`.
+Labels stay bounded: bucket labels come from the `BucketTable`, reasons from the fixed tuples in
+server/metrics/config.py, and a value outside them raises ValueError (a programming error, not bad
+user input).
+Every labelled child is resolved once at construction (so the series exist at 0 from the first scrape
+and a hook is a dict lookup plus one lock-protected add) except `requests_total`, whose route
+templates are resolved on first use and capped by `MetricsConfig.max_endpoints`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, TypeVar
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from buckets import BucketTable, GraphKey
+from server.metrics.config import (
+    ABORT_REASONS,
+    ARTIFACT_REJECT_REASONS,
+    COMPILE_PHASES,
+    FINISH_REASONS,
+    RECOMPILE_REASONS,
+    REJECT_REASONS,
+    MetricsConfig,
+    MetricsConfigError,
+    info_labels,
+    prompt_length_edges,
+)
+
+__all__ = ["Metrics", "MetricsConfig", "MetricsConfigError", "prompt_length_edges"]
+
+PREFIX = "bucketserve_"
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _pick(children: dict[K, V], key: K, what: str) -> V:
+    try:
+        return children[key]
+    except KeyError:
+        raise ValueError(f"{what} {key!r} is not one of {[str(k) for k in children]}") from None
+
+
+def _check_count(name: str, value: int, low: int = 0, high: int | None = None) -> None:
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if not value >= 0:  # also rejects NaN: a monotonic clock never yields one
+        raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+
+
+class Metrics:
+    """Owns every bucketserve metric on `registry`; see the Metrics section of README.md for the series."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        table: BucketTable,
+        *,
+        info: dict[str, str],
+        latency_buckets: tuple[float, ...] | None = None,
+        config: MetricsConfig | None = None,
+    ) -> None:
+        if latency_buckets is not None and config is not None:
+            raise MetricsConfigError("give latency_buckets or config, not both")
+        if config is None:
+            config = MetricsConfig() if latency_buckets is None else MetricsConfig.with_latency_buckets(latency_buckets)
+        self.registry = registry
+        self.table = table
+        self.config = config
+        self._lock = threading.Lock()  # guards the lazily grown requests_total children only
+
+        def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, registry=registry)
+
+        def histogram(name: str, doc: str, edges: tuple[float, ...], labels: Iterable[str] = ()) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=registry, buckets=edges)
+
+        lengths = table.request_lengths  # request buckets: length buckets, then chunk multiples
+        graph_keys = list(table.graph_keys())
+        self._prefill_keys = frozenset(k for k in graph_keys if k.phase == "prefill")
+        self._chunk_keys = frozenset(k for k in graph_keys if k.phase == "chunk")
+        self._batch_sizes = frozenset(table.batch_sizes)
+
+        # -- compilation ---------------------------------------------------------------------------
+        compilations = counter(
+            "graph_compilations_total", "Graphs compiled, by graph, bucket and phase.", ("graph", "bucket", "phase")
+        )
+        self._compilations = {
+            (k, ph): compilations.labels(k.phase, k.bucket, ph) for k in graph_keys for ph in COMPILE_PHASES
+        }
+        recompiles = counter("recompilations_total", "Compilations after ready (should stay 0).", ("reason",))
+        self._recompiles = {r: recompiles.labels(r) for r in RECOMPILE_REASONS}
+        self._compile_seconds = histogram("compile_seconds", "Seconds to compile one graph.", config.compile_buckets)
+        self._warmup_seconds = gauge("warmup_seconds", "Seconds the warm-up of every graph took.")
+        self._graphs_total = gauge("graphs_total", "Graphs the bucket table needs.")
+        self._graphs_ready = gauge("graphs_ready", "Graphs compiled and warmed so far.")
+        self._ready = gauge("ready", "1 when every graph is warm and requests are admitted, else 0.")
+        self._graphs_total.set(table.num_graphs)
+        self._cache_hits = counter("compile_cache_hits_total", "Graphs loaded from the compile cache.")
+        self._cache_misses = counter("compile_cache_misses_total", "Graphs not found in the compile cache.")
+        rejected = counter("compile_artifacts_rejected_total",
+                           "Saved graph artifacts found unusable at warm-up and rebuilt, by reason.", ("reason",))
+        self._rejected = {r: rejected.labels(r) for r in ARTIFACT_REJECT_REASONS}
+
+        # -- shapes --------------------------------------------------------------------------------
+        bucket_requests = counter("bucket_requests_total", "Admitted requests per length bucket.", ("bucket",))
+        self._bucket_requests = {n: bucket_requests.labels(str(n)) for n in lengths}
+        self._prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of admitted requests.")
+        padding = counter("padding_tokens_total", "Pad tokens computed, by phase.", ("phase",))
+        self._padding_prefill = padding.labels("prefill")
+        self._padding_decode = padding.labels("decode")
+        self._over_limit = counter("requests_over_limit_total", "Requests refused for exceeding the length limits.")
+        self._occupancy = histogram(
+            "batch_occupancy", "Active rows / batch bucket per decode step.", config.occupancy_buckets
+        )
+        self._prompt_length = histogram(
+            "prompt_length", "Prompt length in tokens of admitted requests.", prompt_length_edges(table)
+        )
+
+        # -- latency (seconds since arrival at the server unless stated) -----------------------
+        ttft = histogram("time_to_first_token_seconds", "Time to first token.", config.ttft_buckets, ("bucket",))
+        self._ttft = {n: ttft.labels(str(n)) for n in lengths}
+        self._itl = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", config.inter_token_buckets
+        )
+        duration = histogram(
+            "request_duration_seconds", "Arrival to last token.", config.request_duration_buckets, ("bucket",)
+        )
+        self._duration = {n: duration.labels(str(n)) for n in lengths}
+        self._queue_wait = histogram("queue_wait_seconds", "Arrival to prefill start.", config.queue_wait_buckets)
+        self._prefill_seconds = histogram("prefill_seconds", "Seconds per prefill graph call.", config.prefill_buckets)
+        self._decode_step = histogram(
+            "decode_step_seconds", "Seconds per decode graph call.", config.decode_step_buckets
+        )
+        self._decode_stall = histogram(
+            "decode_stall_seconds", "Seconds decoding rows waited behind one prefill or chunk step.",
+            config.decode_step_buckets,
+        )
+        self._prefill_chunks = histogram(
+            "prefill_chunks", "Prefill graph calls per request (1 unless its prompt was chunked).",
+            tuple(float(n) for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)),
+        )
+
+        # -- load ----------------------------------------------------------------------------------
+        self._running = gauge("requests_running", "Requests holding a KV slot.")
+        self._waiting = gauge("requests_waiting", "Requests queued for a slot.")
+        self._slots_free = gauge("slots_free", "Free KV-cache slots.")
+        self._http_family = counter("requests_total", "HTTP responses by route and status.", ("endpoint", "status"))
+        self._http: dict[tuple[str, int], Counter] = {}
+        self._endpoints: set[str] = set()
+        rejected = counter("requests_rejected_total", "Requests refused before admission.", ("reason",))
+        self._rejected = {r: rejected.labels(r) for r in REJECT_REASONS}
+        aborted = counter("requests_aborted_total", "Requests ended early.", ("reason",))
+        self._aborted = {r: aborted.labels(r) for r in ABORT_REASONS}
+        finished = counter("requests_finished_total", "Requests finished, by finish reason.", ("finish_reason",))
+        self._finished = {r: finished.labels(r) for r in FINISH_REASONS}
+        self._generation_tokens = counter("generation_tokens_total", "Output tokens generated.")
+
+        Info(PREFIX.rstrip("_"), "Model, runtime and bucket table.", registry=registry).info(info_labels(info, table))
+
+    # -- engine thread: compilation -------------------------------------------------------------
+    def graph_compiled(self, key: GraphKey, seconds: float, phase: str) -> None:
+        """One graph compiled. A compile in phase "serving" must also be reported with `recompiled`."""
+        child = self._compilations.get((key, phase))
+        if child is None:
+            _pick({p: p for p in COMPILE_PHASES}, phase, "compile phase")
+            raise ValueError(f"graph {key} is not in the bucket table")
+        _check_seconds("seconds", seconds)
+        child.inc()
+        self._compile_seconds.observe(seconds)
+
+    def recompiled(self, reason: str) -> None:
+        _pick(self._recompiles, reason, "recompile reason").inc()
+
+    def warmup_progress(self, done: int, total: int) -> None:
+        _check_count("total", total, 1)
+        _check_count("done", done, 0, total)
+        self._graphs_total.set(total)
+        self._graphs_ready.set(done)
+
+    def warmup_finished(self, seconds: float) -> None:
+        _check_seconds("seconds", seconds)
+        self._warmup_seconds.set(seconds)
+
+    def set_ready(self, ready: bool) -> None:
+        self._ready.set(1 if ready else 0)
+
+    def artifact_rejected(self, reason: str) -> None:
+        _pick(self._rejected, reason, "artifact reject reason").inc()
+
+    def compile_cache(self, hit: bool) -> None:
+        (self._cache_hits if hit else self._cache_misses).inc()
+
+    # -- engine thread: steps and requests -----------------------------------------------------
+    def prefill_done(self, key: GraphKey, rows: int, padding_tokens: int, seconds: float) -> None:
+        """`padding_tokens` = sum(bucket - prompt_len) over real rows + bucket * pad rows."""
+        if key not in self._prefill_keys:
+            raise ValueError(f"{key} is not a prefill graph of the bucket table")
+        _check_count("rows", rows, 1, key.batch)
+        self._prefill_call(padding_tokens, key.batch * key.length - rows, seconds)
+
+    def chunk_done(self, key: GraphKey, padding_tokens: int, seconds: float) -> None:
+        """One chunk graph call of a chunked prefill; `padding_tokens` pad the last chunk of a prompt."""
+        if key not in self._chunk_keys:
+            raise ValueError(f"{key} is not a chunk graph of the bucket table")
+        self._prefill_call(padding_tokens, self.table.chunk_length - 1, seconds)
+
+    def _prefill_call(self, padding_tokens: int, max_padding: int, seconds: float) -> None:
+        """Prefill and chunk calls share the padding counter and the seconds histogram."""
+        _check_count("padding_tokens", padding_tokens, 0, max_padding)
+        _check_seconds("seconds", seconds)
+        if padding_tokens:
+            self._padding_prefill.inc(padding_tokens)
+        self._prefill_seconds.observe(seconds)
+
+    def decode_stalled(self, seconds: float) -> None:
+        """Decoding rows waited `seconds` for a prefill or chunk step between two of their tokens."""
+        _check_seconds("seconds", seconds)
+        self._decode_stall.observe(seconds)
+
+    def prefill_chunks(self, chunks: int) -> None:
+        _check_count("chunks", chunks, 1)
+        self._prefill_chunks.observe(chunks)
+
+    def decode_step_done(self, batch: int, active: int, seconds: float, padding_rows: int) -> None:
+        """One decode graph call on batch bucket `batch` with `active` real rows; every pad row costs
+        one computed token."""
+        if batch not in self._batch_sizes:
+            raise ValueError(f"batch {batch!r} is not one of the batch buckets {list(self.table.batch_sizes)}")
+        _check_count("active", active, 0, batch)
+        _check_count("padding_rows", padding_rows, 0, batch - active)
+        _check_seconds("seconds", seconds)
+        if padding_rows:
+            self._padding_decode.inc(padding_rows)
+        self._occupancy.observe(active / batch)
+        self._decode_step.observe(seconds)
+
+    def request_started(self, bucket: int, queue_seconds: float) -> None:
+        _pick(self._ttft, bucket, "length bucket")  # validates the label like the other request hooks
+        _check_seconds("queue_seconds", queue_seconds)
+        self._queue_wait.observe(queue_seconds)
+
+    def first_token(self, bucket: int, seconds: float) -> None:
+        child = _pick(self._ttft, bucket, "length bucket")
+        _check_seconds("seconds", seconds)
+        child.observe(seconds)
+
+    def request_finished(
+        self, bucket: int, seconds: float, output_tokens: int, inter_token: list[float], finish_reason: str
+    ) -> None:
+        """Once per prefilled request (aborted and failed ones too): duration, output tokens, the gaps
+        between its consecutive tokens, and its finish reason ("stop" | "length" | "abort" | "error")."""
+        duration = _pick(self._duration, bucket, "length bucket")
+        finished = _pick(self._finished, finish_reason, "finish reason")
+        _check_seconds("seconds", seconds)
+        _check_count("output_tokens", output_tokens)
+        duration.observe(seconds)
+        if output_tokens:
+            self._generation_tokens.inc(output_tokens)
+        itl = self._itl
+        for gap in inter_token:
+            itl.observe(gap)
+        finished.inc()
+
+    def set_load(self, running: int, waiting: int, slots_free: int) -> None:
+        _check_count("running", running)
+        _check_count("waiting", waiting)
+        _check_count("slots_free", slots_free)
+        self._running.set(running)
+        self._waiting.set(waiting)
+        self._slots_free.set(slots_free)
+
+    def request_aborted(self, reason: str) -> None:
+        _pick(self._aborted, reason, "abort reason").inc()
+
+    # -- HTTP layer ---------------------------------------------------------------------------------
+    def request_admitted(self, bucket: int, prompt_tokens: int) -> None:
+        child = _pick(self._bucket_requests, bucket, "length bucket")
+        _check_count("prompt_tokens", prompt_tokens, 1, bucket)
+        child.inc()
+        self._prompt_tokens.inc(prompt_tokens)
+        self._prompt_length.observe(prompt_tokens)
+
+    def request_rejected(self, reason: str) -> None:
+        _pick(self._rejected, reason, "reject reason").inc()
+
+    def request_over_limit(self) -> None:
+        self._over_limit.inc()
+
+    def http_request(self, endpoint: str, status: int) -> None:
+        """One HTTP response. `endpoint` is the route template ("/v1/completions"), never a raw path."""
+        child = self._http.get((endpoint, status))
+        if child is None:
+            child = self._new_http_child(endpoint, status)
+        child.inc()
+
+    def _new_http_child(self, endpoint: str, status: int) -> Counter:
+        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+            raise ValueError(f"status must be an HTTP status code, got {status!r}")
+        if not isinstance(endpoint, str) or not endpoint.startswith("/") or "?" in endpoint:
+            raise ValueError(f"endpoint must be a route template such as '/v1/completions', got {endpoint!r}")
+        with self._lock:
+            if endpoint not in self._endpoints and len(self._endpoints) >= self.config.max_endpoints:
+                raise ValueError(
+                    f"endpoint {endpoint!r} would exceed max_endpoints={self.config.max_endpoints} distinct "
+                    f"routes; pass the route template, not the request path"
+                )
+            self._endpoints.add(endpoint)
+            child = self._http_family.labels(endpoint, str(status))
+            self._http[(endpoint, status)] = child
+            return child
+
+    # -- exposition -------------------------------------------------------------------------------
+    def render(self) -> tuple[bytes, str]:
+        """Body and Content-Type for GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,157 @@
+"""Operations against real server processes: graceful drain on SIGTERM, JSON request logs, the persistent
+compile cache across processes, precompile."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.engine.model import EngineModel
+from tests.support.process import TINY_FLAGS, ServerProcess
+from tests.support.tiny import TINY_TABLE, tiny_settings
+
+
+def stream_completion(url: str, max_tokens: int, out: list) -> None:
+    body = {"prompt": "the cat sat on the mat", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    chunks, finish = 0, None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                chunks += 1
+                finish = choice["finish_reason"] or finish
+    out.append((chunks, finish))
+
+
+def test_sigterm_drains_in_flight_streams_refuses_new_and_exits_zero(tiny_llama: str, tmp_path: Path) -> None:
+    server = ServerProcess(tiny_llama, *TINY_FLAGS, "--compile-backend", "eager", "--log-format", "json",
+                           "--drain-timeout", "60", log_path=tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        results: list = []
+        threads = [threading.Thread(target=stream_completion, args=(server.url, 120, results)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        # SIGTERM once all 8 are admitted (a request that arrives after it is refused, by design).
+        while server.metric("bucketserve_bucket_requests_total") < 8:
+            time.sleep(0.005)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        ready = httpx.get(server.url + "/ready")
+        for t in threads:
+            t.join(120)
+        code = server.proc.wait(60)
+    finally:
+        server.stop()
+    assert refused.status_code == 503 and "retry-after" in refused.headers
+    assert refused.json()["error"]["code"] == "draining"
+    assert ready.status_code == 503 and ready.json()["draining"] is True
+    assert len(results) == 8 and all(finish == "length" for _, finish in results), results
+    assert code == 0
+    # One JSON line per request at completion, with its facts and without the prompt text.
+    lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines() if line.startswith("{")]
+    requests = [r for r in lines if r.get("logger") == "bucketserve.requests"]
+    assert len(requests) == 8
+    for r in requests:
+        assert r["bucket"] == 8 and r["output_tokens"] == 120 and r["status"] == "length"
+        assert r["ttft_s"] > 0 and r["duration_s"] >= r["ttft_s"] and "prompt" not in r
+    assert any(r["message"].startswith("warm-up 1/") for r in lines)
+
+
+def test_compile_cache_key_changes_with_dtype_buckets_and_model(tiny_llama: str, tmp_path: Path) -> None:
+    base = tiny_settings(compile_backend="inductor", compile_cache_dir=str(tmp_path))
+    key = EngineModel(base, tiny_llama).compile_cache_dir()
+    assert key.startswith(str(tmp_path)) and key == EngineModel(base, tiny_llama).compile_cache_dir()
+    for changed in (replace(base, dtype="bfloat16"), replace(base, buckets=(8, 16, 64)),
+                    replace(base, compile_backend="dynamo-eager"), replace(base, max_model_len=96, kv_buckets=(32,)),
+                    replace(base, kv_buckets=(64,))):
+        assert EngineModel(changed, tiny_llama).compile_cache_dir() != key
+
+
+def test_second_process_loads_every_graph_from_the_cache(tiny_llama: str, tmp_path: Path) -> None:
+    cache = str(tmp_path / "cache")
+    flags = ["--buckets", "16", "--batch-sizes", "1", "--prefill-batch-sizes", "1", "--max-model-len", "32",
+             "--num-threads", "1", "--compile-backend", "inductor", "--compile-cache-dir", cache]
+    pre = subprocess.run([sys.executable, "-m", "server.cli", "precompile", "--model", tiny_llama, *flags],
+                         capture_output=True, text=True, timeout=900)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    manifest = json.loads(pre.stdout[pre.stdout.index("{"):])
+    assert sorted(g["bucket"] for g in manifest["graphs"]) == ["b1", "b1_kv32", "b1_l16"]  # sample, decode, prefill
+    server = ServerProcess(tiny_llama, *flags, "--require-cached-graphs", log_path=tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        assert server.metric("bucketserve_compile_cache_hits_total") == 3
+        assert server.metric("bucketserve_compile_cache_misses_total") == 0
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 3})
+        assert r.status_code == 200
+        assert server.metric("bucketserve_recompilations_total") == 0
+    finally:
+        assert server.stop() == 0
+    log = (tmp_path / "server.log").read_text()
+    assert "(from cache)" in log and "3 of 3 graphs loaded from the cache" in log
+
+
+def test_require_cached_graphs_refuses_readiness_when_the_cache_is_cold(tiny_llama: str, tmp_path: Path) -> None:
+    server = ServerProcess(tiny_llama, *TINY_FLAGS, "--compile-backend", "dynamo-eager", "--compile-cache-dir",
+                           str(tmp_path / "empty"), "--require-cached-graphs", log_path=tmp_path / "server.log")
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            ready = httpx.get(server.url + "/ready", timeout=5) if _up(server) else None
+            if ready is not None and ready.json().get("failed"):
+                break
+            assert time.monotonic() < deadline and server.proc.poll() is None
+            time.sleep(0.2)
+        assert ready.status_code == 503 and "not in the compile cache" in ready.json()["failed"]
+        assert httpx.get(server.url + "/health").status_code == 200  # alive, just never ready
+    finally:
+        assert server.stop() == 0
+
+
+def _up(server: ServerProcess) -> bool:
+    try:
+        httpx.get(server.url + "/health", timeout=2)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def test_require_cached_graphs_fails_before_compiling_anything(tiny_llama: str, tmp_path: Path) -> None:
+    """Inductor keeps one artifact per graph: a missing one is known before any compile starts."""
+    from server.engine.model import CacheMissingError
+
+    settings = tiny_settings(compile_backend="inductor", compile_cache_dir=str(tmp_path), require_cached_graphs=True)
+    model = EngineModel(settings, tiny_llama)
+    with pytest.raises(CacheMissingError, match=f"{TINY_TABLE.num_graphs} graphs were not in the compile cache"):
+        model.load_and_warm()
+    assert model.accountant.count() == 0
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_cold_start_stops_the_warmup_and_its_builders(tiny_llama: str, tmp_path: Path) -> None:
+    """A pod deleted while it compiles: the server exits 0 after at most the graph in progress, and the
+    builder process compiling the other half goes with it."""
+    server = ServerProcess(tiny_llama, *TINY_FLAGS, "--compile-backend", "inductor", "--compile-workers", "2",
+                           "--compile-cache-dir", str(tmp_path / "cache"), log_path=tmp_path / "server.log")
+    deadline = time.monotonic() + 300
+    while "builder processes" not in (tmp_path / "server.log").read_text():
+        assert time.monotonic() < deadline and server.proc.poll() is None
+        time.sleep(0.2)
+    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert server.stop() == 0
+    alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and "zombie" not in
+             open(f"/proc/{pid}/status").read().lower()]
+    assert not alive, alive
+    assert "exiting during warm-up" in (tmp_path / "server.log").read_text()

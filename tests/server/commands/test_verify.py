@@ -1,0 +1,75 @@
+"""`bucketserve verify` on tiny models: passes on the real path, names the bucket of a planted defect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from buckets import BucketTable
+from server.cli import main
+from server.commands.verify_cases import plan_cases
+
+TABLE = ["--buckets", "8,16", "--prefill-chunk-size", "16", "--max-model-len", "64", "--kv-buckets", "24,32",
+         "--batch-sizes", "1,2,4", "--prefill-batch-sizes", "1,2"]
+
+
+def verify(model: str, out: Path, *extra: str) -> tuple[int, dict]:
+    argv = ["verify", "--model", model, "--compile-backend", "dynamo-eager", "--dtype", "float32",
+            "--num-threads", "1", "--compile-cache-dir", "none", "--max-tokens", "10", "--out", str(out),
+            *TABLE, *extra]
+    code = main(argv)
+    return code, json.loads((out / "report.json").read_text())
+
+
+def test_cases_cover_buckets_chunks_kv_crossings_and_waves() -> None:
+    table = BucketTable(lengths=(8, 16), context_length=64, kv_lengths=(24, 32, 64), chunked_prefill=True)
+    cases = plan_cases(table, list(range(100, 400)), max_tokens=10)
+    lengths = {c.prompt_len for c in cases}
+    assert {1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 48, 49} <= lengths  # b-1, b, b+1; c*m-1, c*m, c*m+1
+    assert {24 - 5, 32 - 5} <= lengths  # generation crosses KV 24 and KV 32
+    assert max(lengths) <= 64 - 10 and {c.wave for c in cases} == {0, 1} and {c.logprobs for c in cases} == {True, False}
+    assert len({c.ids[:3] for c in cases if c.prompt_len >= 3}) == len([c for c in cases if c.prompt_len >= 3])
+
+
+def test_verify_passes_on_the_serving_path(tiny_llama: str, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"the cat sat on mat number {i}"}) for i in range(40)) + "\n")
+    code, report = verify(tiny_llama, tmp_path, "--prompts-file", str(prompts))
+    assert code == 0 and report["verdict"] == "pass" and report["agreement"] == 1.0
+    graphs = report["graphs"]
+    assert any(k.startswith("decode[b4") for k in graphs) and any(k.startswith("chunk[") for k in graphs)
+    assert any(k.startswith("sample[") for k in graphs)  # logprob cases take the sampling graph
+    assert all(c["max_logprob_diff"] is None or c["max_logprob_diff"] < 1e-4 for c in report["cases"])
+
+
+def test_verify_catches_an_off_by_one_decode_mask(tiny_llama: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import models.runner
+
+    real = models.runner.decode_mask
+
+    def shifted(pos, kv_length, *args):  # the planted defect: each row stops seeing its newest token
+        return real(pos - 1, kv_length, *args)
+
+    monkeypatch.setattr(models.runner, "decode_mask", shifted)
+    code, report = verify(tiny_llama, tmp_path)
+    assert code == 1 and report["verdict"] == "FAIL"
+    failing = {c["bucket"] for c in report["cases"] if c["first_divergence"] is not None}
+    assert failing and all(str(b) in report["per_bucket"] for b in failing)
+    assert "| case | bucket |" in (tmp_path / "report.md").read_text()
+
+
+def test_verify_against_a_running_server(tiny_llama: str, tmp_path: Path) -> None:
+    from server.config import ServerSettings
+    from tests.support.served import serve
+    from tests.support.tiny import tiny_settings
+
+    settings = tiny_settings(model=tiny_llama, compile_backend="dynamo-eager", buckets=(8, 16), prefill_chunk_size=16,
+                             max_model_len=64, kv_buckets=(24, 32), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2))
+    assert isinstance(settings, ServerSettings)
+    with serve(settings) as served:
+        code, report = verify(tiny_llama, tmp_path, "--against", served.server.url)
+    assert code == 0 and report["against"] == served.server.url and report["agreement"] == 1.0
+    assert all(c["first_divergence"] is None for c in report["cases"])
