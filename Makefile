@@ -33,7 +33,9 @@ test-slow: setup
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
+# ruff (style, imports, likely bugs) and mypy --strict; CI runs this before the tests (.ci/run).
 lint: setup
+	$(BIN)/python -m ruff check .
 	$(BIN)/python -m mypy
 
 # vLLM CPU in its own environment, for `make bench`: it pins torch 2.13 CPU; torchvision, torchaudio and

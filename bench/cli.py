@@ -30,14 +30,7 @@ from bench.prompts import (
 from bench.report import document, ratio_lines, write_json, write_markdown
 from bench.runner import RunOptions, TargetRun, failed_target, run_target
 from bench.servers import wait_until_ready
-from bench.workload import (
-    RequestPlan,
-    WorkloadError,
-    WorkloadSpec,
-    parse_length_dist,
-    plan_requests,
-    read_prompts_file,
-)
+from bench.workload import RequestPlan, WorkloadError, WorkloadSpec, parse_length_dist, plan_requests, read_prompts_file
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Callable
 
 from bench import modelfiles
-from buckets.table import DEFAULT_BATCH_SIZES
 from bench.prompts import Prompt, TokenizerError
 from bench.runner import RunOptions, TargetRun, failed_target, run_target
 from bench.servers import (
@@ -23,6 +22,7 @@ from bench.servers import (
     vllm_command,
 )
 from bench.workload import LengthDist
+from buckets.table import DEFAULT_BATCH_SIZES
 
 # Builds the prompts once, from the first server that is up: (its url, a local tokenizer to fall back on);
 # returns the workload's prompts and the TTFT probe prompts.

@@ -27,7 +27,7 @@ async def _one(
     start = time.perf_counter()
     try:
         return await asyncio.wait_for(stream_request(client, base_url, prompt, mode), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         # the whole request took longer than the per-request limit (httpx only bounds each read)
         res = RequestResult(prompt.index, len(prompt.ids), next_pow2(len(prompt.ids)), start, error="timeout")
         res.detail, res.e2e = f"no complete response within {timeout:g} s", time.perf_counter() - start

@@ -109,7 +109,8 @@ class GraphStore:
         except (OSError, ValueError) as exc:
             return Loaded(None, f"corrupt: unreadable ({exc})")
         if not isinstance(info, dict) or len(data) != info.get("bytes"):
-            return Loaded(None, f"corrupt: {len(data)} bytes, the sidecar says {info.get('bytes') if isinstance(info, dict) else '?'}")
+            said = info.get("bytes") if isinstance(info, dict) else "?"
+            return Loaded(None, f"corrupt: {len(data)} bytes, the sidecar says {said}")
         if hashlib.sha256(data).hexdigest() != info.get("sha256"):
             return Loaded(None, "corrupt: checksum mismatch")
         if info.get("torch") != torch.__version__:

@@ -9,11 +9,11 @@ under a cache directory, and every later start loads that.
 from __future__ import annotations
 
 import importlib.util
-import sys
 import logging
 import os
-from typing import Any
+import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 

@@ -26,8 +26,8 @@ from models.compile import (
     RecompileError,
     compile_step,
     configure_compiler,
-    resolve_backend,
     fail_on_recompile,
+    resolve_backend,
 )
 from models.masks import chunk_mask, decode_mask, sliding_window
 from models.sample_graph import SampleInputs, sample_rows
@@ -95,7 +95,8 @@ def _prefill_step(
     rows, length = input_ids.shape
     position_ids = torch.arange(length, device=input_ids.device).view(1, length).expand(rows, length)
     out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=last_idx)
-    return out.logits[:, 0]
+    logits: torch.Tensor = out.logits[:, 0]
+    return logits
 
 
 def _make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None) -> Callable[..., torch.Tensor]:
@@ -106,7 +107,8 @@ def _make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None) 
         cache.write_pos.copy_(pos)
         mask = decode_mask(pos, cache.kv_length, dtype, kinds, window)
         out = model(input_ids=input_ids, position_ids=pos.view(-1, 1), attention_mask=mask, cache=cache, use_cache=True)
-        return out.logits[:, -1]
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
 
     return _decode_step
 
@@ -125,7 +127,8 @@ def _make_chunk_step(dtype: torch.dtype, kinds: list[str], window: int | None) -
         mask = chunk_mask(offset, chunk, cache.kv_length, dtype, kinds, window)
         out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
                     logits_to_keep=last_idx)
-        return out.logits[:, 0]
+        logits: torch.Tensor = out.logits[:, 0]
+        return logits
 
     return _chunk_step
 

@@ -1,0 +1,1 @@
+"""The operational commands behind `bucketserve` (server/cli.py): serve, precompile, generate, verify."""

@@ -9,16 +9,13 @@ import time
 
 from buckets import GraphKey, PromptTooLongError
 from models.generator import generate_one
-from models.loading import resolve_model_path
 from models.sampling import SamplingError, SamplingParams
+from server.compose import build_model
 from server.config import ServerSettings
-from server.engine.model import EngineModel
 
 
 def generate_main(settings: ServerSettings, args: argparse.Namespace) -> int:
-
-    path = resolve_model_path(settings.model, settings.model_cache_dir or None)
-    model = EngineModel(settings, path)
+    model = build_model(settings)
     tok = model.tokenizer
     if args.chat:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,

@@ -14,7 +14,7 @@ from typing import Any
 
 from models.artifacts import GraphStore
 from models.compile import CompileRecord
-from models.loading import resolve_model_path
+from server.compose import build_model
 from server.config import ServerSettings
 from server.engine.model import EngineModel
 
@@ -22,8 +22,7 @@ log = logging.getLogger("bucketserve.precompile")
 
 
 def precompile_main(settings: ServerSettings) -> int:
-    path = resolve_model_path(settings.model, settings.model_cache_dir or None)
-    model = EngineModel(settings, path)
+    model = build_model(settings)
     model.load_and_warm()
     manifest = {
         "model": model.name,

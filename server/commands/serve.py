@@ -16,37 +16,13 @@ import time
 from typing import Any
 
 import uvicorn
-from prometheus_client import CollectorRegistry, disable_created_metrics
+from prometheus_client import disable_created_metrics
 
-from models.loading import resolve_model_path
+from server.compose import build_engine
 from server.config import ServerSettings
 from server.engine.engine import Engine
-from server.engine.model import EngineModel
-from server.metrics.hooks import SafeHooks
-from server.metrics.prometheus import Metrics
 
 log = logging.getLogger("bucketserve.serve")
-
-
-def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = None) -> tuple[Engine, Metrics]:
-    """Everything the app needs, unstarted: model path resolved, tokenizer and table loaded, metrics registered."""
-    path = resolve_model_path(settings.model, settings.model_cache_dir or None)
-    model = EngineModel(settings, path)
-    metrics = Metrics(
-        registry or CollectorRegistry(),
-        model.table,
-        info={"model": model.name, "dtype": model.dtype, "threads": str(model.num_threads), "device": settings.device,
-              "compile_backend": settings.compile_backend},
-    )
-    model.metrics = SafeHooks(metrics)
-    if settings.lengths_file:
-        from planner.command import padding_report, read_lengths_file
-
-        log.info("%s", padding_report(model.table, read_lengths_file(settings.lengths_file)))
-    engine = Engine(model, max_waiting_requests=settings.max_waiting_requests,
-                    max_waiting_tokens=settings.max_waiting_tokens, request_timeout=settings.request_timeout,
-                    metrics=metrics, batching=settings.batching, log_prompts=settings.log_prompts)
-    return engine, metrics
 
 
 class DrainingServer(uvicorn.Server):

@@ -39,7 +39,7 @@ def _token_source(tokenizer: Any, prompts_file: str = "") -> list[int]:
 
 
 def run_engine(settings: ServerSettings, args: argparse.Namespace) -> Run:
-    from server.commands.serve import build_engine
+    from server.compose import build_engine
 
     engine, _ = build_engine(settings)
     cases = plan_cases(engine.table, _token_source(engine.tokenizer, args.prompts_file), args.max_tokens,

@@ -1,5 +1,5 @@
 """The engine: one thread that owns the model, the runner and the scheduler; the event loop only submits
-requests and reads token events. Contract: docs/engine-interface.md.
+requests and reads token events. Contract: `EngineAPI` in server/engine/interface.py.
 
 Each step reads: schedule -> run the graph for that step -> sample -> scheduler.update -> emit events.
 Events cross to the event loop with one `call_soon_threadsafe` per step (not per token).
@@ -13,7 +13,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Any
 
 from buckets import PromptTooLongError
 from buckets.scheduler import ChunkStep, PrefillStep, Scheduler, Sequence, Step
@@ -22,6 +21,7 @@ from models.sampling import SampledToken, SamplingParams
 from server.engine.active_request import ActiveRequest
 from server.engine.interface import (
     DrainingError,
+    EngineAPI,
     EngineDeadError,
     EngineNotReadyError,
     InvalidTokenError,
@@ -32,7 +32,7 @@ from server.engine.interface import (
     deliver_step,
 )
 from server.engine.model import CacheMissingError, EngineModel
-from server.metrics.hooks import SafeHooks
+from server.metrics.hooks import MetricsHooks, SafeHooks
 
 __all__ = [
     "DrainingError",
@@ -52,7 +52,7 @@ log = logging.getLogger("bucketserve.engine")
 
 class Engine:
     def __init__(self, model: EngineModel, *, max_waiting_requests: int = 64, max_waiting_tokens: int = 65536,
-                 request_timeout: float = 0.0, metrics: Any = None, batching: str = "continuous",
+                 request_timeout: float = 0.0, metrics: MetricsHooks | None = None, batching: str = "continuous",
                  log_prompts: bool = False) -> None:
         self.model = model
         self.table = model.table
@@ -333,3 +333,7 @@ class Engine:
         free = self.table.max_batch - self._scheduler.num_running
         self.metrics.set_load(self._scheduler.num_running, self._scheduler.num_waiting, free)
 
+
+
+def _satisfies_engine_api(engine: Engine) -> EngineAPI:
+    return engine  # mypy: Engine is what the HTTP layer's EngineAPI describes

@@ -1,17 +1,20 @@
-"""The records and errors that cross between the engine thread and the event loop. Pure Python (no torch):
-the HTTP layer imports them without loading the model stack."""
+"""What crosses between the engine thread and the event loop: the `EngineAPI` the HTTP layer drives (the
+real `Engine` and the tests' fake both satisfy it), the `Tokenizer` it uses, and the records and errors
+that travel. Pure Python (no torch): the HTTP layer imports them without loading the model stack."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
+from buckets import BucketTable
 from buckets.scheduler import QueueFullError
+from models.params import SamplingParams
 
-__all__ = ["DrainingError", "EngineDeadError", "EngineNotReadyError", "FinishReason", "InvalidTokenError",
-           "QueueFullError", "RequestHandle", "TokenEvent", "WarmupProgress", "deliver_step"]
+__all__ = ["DrainingError", "EngineAPI", "EngineDeadError", "EngineNotReadyError", "FinishReason", "InvalidTokenError",
+           "QueueFullError", "RequestHandle", "TokenEvent", "Tokenizer", "WarmupProgress", "deliver_step"]
 
 
 class FinishReason(StrEnum):
@@ -142,3 +145,36 @@ def deliver_step(batches: list[tuple[RequestHandle, list[TokenEvent]]]) -> None:
 def _deliver_now(items: list[tuple[RequestHandle, list[TokenEvent]]]) -> None:
     for handle, events in items:
         handle.deliver(events)
+
+
+class Tokenizer(Protocol):
+    """What the HTTP layer asks of the model's tokenizer (a transformers tokenizer satisfies it)."""
+
+    def __call__(self, text: str, *, add_special_tokens: bool = True) -> Mapping[str, Any]: ...
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
+    def apply_chat_template(self, conversation: list[dict[str, Any]], *, add_generation_prompt: bool = False,
+                            tokenize: bool = True) -> Any: ...
+
+
+class EngineAPI(Protocol):
+    """What the HTTP layer needs from the engine: identity and limits, lifecycle, health and admission.
+    Satisfied by server.engine.engine.Engine and by tests/support/fake_engine.FakeEngine (mypy checks both)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def table(self) -> BucketTable: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def vocab_limit(self) -> int: ...  # the one bound on client token ids (HTTP and engine alike)
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def progress(self) -> WarmupProgress: ...
+    def is_ready(self) -> bool: ...
+    def is_alive(self) -> bool: ...
+    def submit_many(self, prompts: list[list[int]], params: list[SamplingParams],
+                    request_ids: list[str]) -> list[RequestHandle]:
+        """Queue every sequence or none (the refusal propagates: QueueFullError, PromptTooLongError, ...)."""
+        ...

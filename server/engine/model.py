@@ -26,7 +26,7 @@ from models.runner import ModelRunner, PrefillRow
 from models.sampling import SampledToken, Sampler, SamplingParams
 from server.config import ServerSettings
 from server.engine.step_sampling import StepLogits, sample_step
-from server.metrics.hooks import SafeHooks
+from server.metrics.hooks import MetricsHooks, SafeHooks
 
 log = logging.getLogger("bucketserve.warmup")
 
@@ -53,7 +53,7 @@ class WarmupCounter:
 
 
 class EngineModel:
-    def __init__(self, settings: ServerSettings, model_path: str, metrics: Any = None,
+    def __init__(self, settings: ServerSettings, model_path: str, metrics: MetricsHooks | None = None,
                  table: BucketTable | None = None) -> None:
         from transformers import AutoConfig
 

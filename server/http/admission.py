@@ -13,7 +13,7 @@ from models.params import SamplingParams
 from server.engine.interface import DrainingError, EngineNotReadyError, QueueFullError
 from server.http.errors import bad_param
 from server.http.runs import SequenceRun
-from server.http.state import AppState, check_ids, count
+from server.http.state import AppState, check_ids
 
 if TYPE_CHECKING:
     from server.engine.interface import RequestHandle
@@ -56,18 +56,18 @@ def admit(state: AppState, prompts: Sequence[list[int]], params: Sequence[Sampli
         _count_rejection(state, exc)
         raise
     for h in handles:
-        count(state.metrics.request_admitted, h.bucket, h.prompt_tokens)
+        state.hooks.request_admitted(h.bucket, h.prompt_tokens)
     runs = [SequenceRun(h, state.tokenizer, p, stops, hold_back=hold_back) for h, p in zip(handles, prompts)]
     return Generation(request_id, runs, handles)
 
 
 def _count_rejection(state: AppState, exc: BaseException) -> None:
-    m = state.metrics
+    m = state.hooks
     if isinstance(exc, PromptTooLongError):
-        count(m.request_over_limit)
+        m.request_over_limit()
     elif isinstance(exc, QueueFullError):
-        count(m.request_rejected, "queue_full")
+        m.request_rejected("queue_full")
     elif isinstance(exc, EngineNotReadyError):
-        count(m.request_rejected, "not_ready")
+        m.request_rejected("not_ready")
     elif isinstance(exc, DrainingError):
-        count(m.request_rejected, "draining")
+        m.request_rejected("draining")

@@ -28,8 +28,8 @@ from server.http.routes_openapi import build_openapi, openapi
 from server.http.state import AppState
 
 if TYPE_CHECKING:
-    from server.engine.engine import Engine
-    from server.metrics.prometheus import Metrics
+    from server.engine.interface import EngineAPI
+    from server.metrics.hooks import ServedMetrics
 
 log = logging.getLogger("bucketserve.http")
 
@@ -75,10 +75,7 @@ class HttpMiddleware:
     def _count(self, scope: Scope, status: int) -> None:
         route = scope.get("route")
         path = getattr(route, "path", None) or "/unmatched"
-        try:
-            self.state.metrics.http_request(path, status)
-        except Exception:  # noqa: BLE001 - metrics must never break a response
-            log.exception("http_request metric failed")
+        self.state.hooks.http_request(path, status)  # guarded: metrics never break a response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -111,7 +108,7 @@ class HttpMiddleware:
             raise
 
 
-def create_app(engine: Engine, settings: ServerSettings, metrics: Metrics) -> Starlette:
+def create_app(engine: EngineAPI, settings: ServerSettings, metrics: ServedMetrics) -> Starlette:
     state = AppState(engine=engine, settings=settings, metrics=metrics, model_name=engine.model_name)
 
     @asynccontextmanager

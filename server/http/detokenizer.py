@@ -10,10 +10,12 @@ fallback for slow (pure Python) tokenizers and for tokenizers that post-process 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from server.engine.interface import Tokenizer as BaseTokenizer  # the transformers-level tokenizer
 
 log = logging.getLogger("bucketserve.http")
 
@@ -29,7 +31,7 @@ class Detokenizer(Protocol):
         """At the end of generation: whatever is still held back."""
 
 
-def incremental_detokenizer(tokenizer: Any, prompt_ids: Sequence[int] = (),
+def incremental_detokenizer(tokenizer: BaseTokenizer, prompt_ids: Sequence[int] = (),
                             skip_special_tokens: bool = True) -> Detokenizer:
     """`DecodeStream` over the Rust tokenizer when there is one and decoding is plain; else the fallback."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -90,7 +92,7 @@ def _clean_suffix(backend: Tokenizer, prompt_ids: list[int], skip: bool) -> list
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: BaseTokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:]) if prompt_ids else []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from server.engine.interface import FinishReason
+from server.engine.interface import FinishReason, Tokenizer
 from server.http.admission import Generation
 from server.http.errors import ApiError
 from server.http.output import sse
@@ -17,7 +17,7 @@ FINGERPRINT = "bucketserve"
 DONE = b"data: [DONE]\n\n"
 
 
-def _token_text(tok: Any, token_id: int) -> str:
+def _token_text(tok: Tokenizer, token_id: int) -> str:
     return str(tok.decode([token_id], skip_special_tokens=False))
 
 
@@ -116,7 +116,7 @@ class CompletionFormat(OpenAIFormat):
         return _completion_logprobs(self.tok, deltas, self.offsets[index])
 
 
-def _completion_logprobs(tok: Any, deltas: Sequence[TextDelta], offset: int) -> dict[str, Any]:
+def _completion_logprobs(tok: Tokenizer, deltas: Sequence[TextDelta], offset: int) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for s in deltas:
         if s.token_id is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from server.engine.interface import FinishReason
+from server.engine.interface import FinishReason, Tokenizer
 from server.http.admission import Generation
 from server.http.errors import ApiError
 from server.http.output import sse
@@ -16,7 +16,7 @@ ABORTED = "the request was aborted by the server before it finished"
 
 
 class TgiFormat:
-    def __init__(self, tokenizer: Any, p: TgiParameters, ids: list[int], prefix: str, gen: Generation,
+    def __init__(self, tokenizer: Tokenizer, p: TgiParameters, ids: list[int], prefix: str, gen: Generation,
                  as_list: bool = False) -> None:
         self.tok, self.p, self.ids, self.prefix, self.gen = tokenizer, p, ids, prefix, gen
         self.as_list = as_list  # POST / answers a list of one response

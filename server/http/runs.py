@@ -8,16 +8,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from starlette.requests import Request
 
-from server.engine.interface import FinishReason
+from server.engine.interface import FinishReason, Tokenizer
 from server.http.detokenizer import incremental_detokenizer
 from server.http.stop_strings import StopMatcher
 
 if TYPE_CHECKING:
-    from server.engine.engine import RequestHandle
+    from server.engine.interface import RequestHandle
 
 log = logging.getLogger("bucketserve.http")
 T = TypeVar("T")
@@ -51,7 +51,7 @@ class RunResult:
 
 class SequenceRun:
     def __init__(
-        self, handle: RequestHandle, tokenizer: Any, prompt_ids: Sequence[int], stops: Sequence[str],
+        self, handle: RequestHandle, tokenizer: Tokenizer, prompt_ids: Sequence[int], stops: Sequence[str],
         hold_back: bool = True,
     ) -> None:
         self.handle = handle

@@ -1,5 +1,5 @@
-"""What every route shares: the app state, prompt tokenization and token-id checks, and the guarded
-metrics call."""
+"""What every route shares: the app state (engine, settings, metrics), prompt tokenization and token-id
+checks."""
 
 from __future__ import annotations
 
@@ -8,17 +8,15 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Sequence
 
 from starlette.requests import Request
 
 from buckets import PromptTooLongError
 from server.config import ServerSettings
+from server.engine.interface import EngineAPI, Tokenizer
 from server.http.errors import ApiError, bad_param
-
-if TYPE_CHECKING:
-    from server.engine.engine import Engine
-    from server.metrics.prometheus import Metrics
+from server.metrics.hooks import SafeHooks, ServedMetrics
 
 log = logging.getLogger("bucketserve.http")
 MODEL_ALIASES = ("tgi",)  # the text-generation client's chat() hard-codes model="tgi"
@@ -26,14 +24,18 @@ MODEL_ALIASES = ("tgi",)  # the text-generation client's chat() hard-codes model
 
 @dataclass
 class AppState:
-    engine: Engine
+    engine: EngineAPI
     settings: ServerSettings
-    metrics: Metrics
+    metrics: ServedMetrics
     model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
+    hooks: SafeHooks = field(init=False)  # every hook call goes through here: a metrics bug never fails a request
+
+    def __post_init__(self) -> None:
+        self.hooks = SafeHooks(self.metrics)
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     @property
@@ -65,12 +67,12 @@ def check_ids(state: AppState, ids: Sequence[int], param: str) -> None:
             raise bad_param(param, f"token id {t} is outside the vocabulary [0, {limit})")
 
 
-def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     ids = [int(t) for t in tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
     return ids
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of `messages` rendered by the tokenizer's own chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages",
@@ -105,11 +107,3 @@ def default_max_tokens(state: AppState, prompt_len: int) -> int:
     if room < 1:
         raise PromptTooLongError(prompt_len + 1, state.engine.table.context_length, "prompt + max_tokens")
     return room
-
-
-def count(hook: Callable[..., None], *args: Any) -> None:
-    """Call a metrics hook; a metrics bug is logged, never turned into a failed (and leaked) request."""
-    try:
-        hook(*args)
-    except Exception:  # noqa: BLE001
-        log.exception("metrics hook %s failed", getattr(hook, "__name__", hook))

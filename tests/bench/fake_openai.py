@@ -63,11 +63,11 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, {"status": "ok"})
         elif self.path == "/metrics":
             body = (
-                "# HELP bucketserve_warmup_seconds warm-up\n# TYPE bucketserve_warmup_seconds gauge\n"
-                "bucketserve_warmup_seconds 1.5\n"
-                'bucketserve_recompilations_total{reason="unwarmed_shape"} 0.0\n'
-                'bucketserve_graph_compilations_total{graph="decode",bucket="b1_kv2048",phase="warmup"} 3.0\n'
-            ).encode()
+                b"# HELP bucketserve_warmup_seconds warm-up\n# TYPE bucketserve_warmup_seconds gauge\n"
+                b"bucketserve_warmup_seconds 1.5\n"
+                b'bucketserve_recompilations_total{reason="unwarmed_shape"} 0.0\n'
+                b'bucketserve_graph_compilations_total{graph="decode",bucket="b1_kv2048",phase="warmup"} 3.0\n'
+            )
             self.send_response(200)
             self.send_header("content-type", "text/plain; version=0.0.4")
             self.send_header("content-length", str(len(body)))

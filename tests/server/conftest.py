@@ -28,7 +28,8 @@ class RecordingMetrics(Metrics):
     """The real Metrics (so label validation runs) plus a log of the HTTP-layer hook calls."""
 
     def __init__(self, table: BucketTable) -> None:
-        super().__init__(CollectorRegistry(), table, info={"model": "test", "dtype": "float32", "device": "cpu", "compile_backend": "eager"})
+        super().__init__(CollectorRegistry(), table,
+                         info={"model": "test", "dtype": "float32", "device": "cpu", "compile_backend": "eager"})
         self.calls: list[tuple[Any, ...]] = []
 
     def request_admitted(self, bucket: int, prompt_tokens: int) -> None:

@@ -1,4 +1,4 @@
-"""A fake engine implementing docs/engine-interface.md for fast HTTP-layer tests.
+"""A fake engine satisfying `EngineAPI` (server/engine/interface.py; mypy checks it) for fast HTTP-layer tests.
 
 It runs a real thread and delivers events through the real `RequestHandle` (call_soon_threadsafe), but
 "generates" deterministically: greedy requests echo the prompt's non-special tokens cyclically; sampled
@@ -21,6 +21,7 @@ from buckets import BucketTable
 from models.params import SamplingParams
 from server.engine.interface import (
     DrainingError,
+    EngineAPI,
     EngineDeadError,
     EngineNotReadyError,
     QueueFullError,
@@ -205,3 +206,7 @@ class FakeEngine:
             self._active.clear()
         for req in reqs:
             req.handle.push([TokenEvent(None, None, (), reason, message)])
+
+
+def _satisfies_engine_api(engine: FakeEngine) -> EngineAPI:
+    return engine  # mypy: FakeEngine is an EngineAPI

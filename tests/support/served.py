@@ -13,7 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from buckets import BucketTable, GraphKey
-from server.commands.serve import build_engine
+from server.compose import build_engine
 from server.config import ServerSettings
 from server.engine.engine import Engine
 from server.http.app import create_app

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from buckets import BucketTable
+from server.compose import build_model, engine_for
 from server.config import ServerSettings
 from server.engine.engine import Engine
-from server.engine.model import EngineModel
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -73,6 +73,4 @@ def tiny_engine(tmp_path: str | Path, *, metrics: Any = None, settings: ServerSe
     """An unstarted Engine over a tiny random Llama saved under tmp_path (eager backend by default)."""
     path = build_tiny_checkpoint(Path(tmp_path) / "tiny-llama")
     s = settings or tiny_settings()
-    model = EngineModel(s, path, metrics=metrics, table=table)
-    return Engine(model, max_waiting_requests=s.max_waiting_requests, max_waiting_tokens=s.max_waiting_tokens,
-                  request_timeout=s.request_timeout, metrics=metrics)
+    return engine_for(s, build_model(s, path, table=table, hooks=metrics), metrics)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.engine.model import EngineModel
+from server.compose import build_model
 from tests.support.process import TINY_FLAGS, ServerProcess
 from tests.support.tiny import TINY_TABLE, tiny_settings
 
@@ -72,12 +72,12 @@ def test_sigterm_drains_in_flight_streams_refuses_new_and_exits_zero(tiny_llama:
 
 def test_compile_cache_key_changes_with_dtype_buckets_and_model(tiny_llama: str, tmp_path: Path) -> None:
     base = tiny_settings(compile_backend="inductor", compile_cache_dir=str(tmp_path))
-    key = EngineModel(base, tiny_llama).compile_cache_dir()
-    assert key.startswith(str(tmp_path)) and key == EngineModel(base, tiny_llama).compile_cache_dir()
+    key = build_model(base, tiny_llama).compile_cache_dir()
+    assert key.startswith(str(tmp_path)) and key == build_model(base, tiny_llama).compile_cache_dir()
     for changed in (replace(base, dtype="bfloat16"), replace(base, buckets=(8, 16, 64)),
                     replace(base, compile_backend="dynamo-eager"), replace(base, max_model_len=96, kv_buckets=(32,)),
                     replace(base, kv_buckets=(64,))):
-        assert EngineModel(changed, tiny_llama).compile_cache_dir() != key
+        assert build_model(changed, tiny_llama).compile_cache_dir() != key
 
 
 def test_second_process_loads_every_graph_from_the_cache(tiny_llama: str, tmp_path: Path) -> None:
@@ -133,7 +133,7 @@ def test_require_cached_graphs_fails_before_compiling_anything(tiny_llama: str, 
     from server.engine.model import CacheMissingError
 
     settings = tiny_settings(compile_backend="inductor", compile_cache_dir=str(tmp_path), require_cached_graphs=True)
-    model = EngineModel(settings, tiny_llama)
+    model = build_model(settings, tiny_llama)
     with pytest.raises(CacheMissingError, match=f"{TINY_TABLE.num_graphs} graphs were not in the compile cache"):
         model.load_and_warm()
     assert model.accountant.count() == 0

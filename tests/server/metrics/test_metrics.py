@@ -194,8 +194,9 @@ def test_series_exist_at_zero_with_bounded_label_sets() -> None:
         for p in ("warmup", "serving")
     }
     assert {dict(ls)["bucket"] for ls in labelsets(s, "graph_compilations_total")} == {
-        "b1_kv256", "b1_kv384", "b2_kv256", "b2_kv384", "b4_kv256", "b4_kv384", "b1", "b2", "b4", "b1_l64", "b2_l64", "b1_l128", "b2_l128", "b1_l256", "b2_l256",
-    }  # fmt: skip
+        "b1_kv256", "b1_kv384", "b2_kv256", "b2_kv384", "b4_kv256", "b4_kv384", "b1", "b2", "b4",
+        "b1_l64", "b2_l64", "b1_l128", "b2_l128", "b1_l256", "b2_l256",
+    }
     ttft_buckets = {dict(ls)["bucket"] for ls in labelsets(s, "time_to_first_token_seconds_count")}
     assert ttft_buckets == {"64", "128", "256"}
     assert labelsets(s, "padding_tokens_total") == {frozenset({("phase", "prefill")}), frozenset({("phase", "decode")})}

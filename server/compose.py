@@ -1,0 +1,58 @@
+"""The one composition root: settings in, an unstarted engine (and its metrics) out.
+
+`serve`, `precompile`, `generate`, `verify` and the tests all build their model and engine here, so a
+setting reaches the engine the same way whichever command runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry
+
+from buckets import BucketTable
+from models.loading import resolve_model_path
+from server.config import ServerSettings
+from server.engine.engine import Engine
+from server.engine.model import EngineModel
+from server.metrics.hooks import MetricsHooks, SafeHooks
+from server.metrics.prometheus import Metrics
+
+log = logging.getLogger("bucketserve.serve")
+
+
+def build_model(settings: ServerSettings, model_path: str | None = None, *, table: BucketTable | None = None,
+                hooks: MetricsHooks | None = None) -> EngineModel:
+    """The model the engine thread drives, unloaded: path resolved (downloaded if need be), tokenizer, config
+    and bucket table read. `table` overrides the settings' table (tests); `hooks` receive its metrics."""
+    path = model_path or resolve_model_path(settings.model, settings.model_cache_dir or None)
+    return EngineModel(settings, path, metrics=hooks, table=table)
+
+
+def build_metrics(settings: ServerSettings, model: EngineModel, registry: CollectorRegistry | None = None) -> Metrics:
+    """Every Prometheus series, registered in `registry` (a fresh one by default)."""
+    return Metrics(
+        registry or CollectorRegistry(),
+        model.table,
+        info={"model": model.name, "dtype": model.dtype, "threads": str(model.num_threads), "device": settings.device,
+              "compile_backend": settings.compile_backend},
+    )
+
+
+def engine_for(settings: ServerSettings, model: EngineModel, hooks: MetricsHooks | None = None) -> Engine:
+    """The engine over `model`, with the settings' queue limits, timeout and batching policy."""
+    return Engine(model, max_waiting_requests=settings.max_waiting_requests,
+                  max_waiting_tokens=settings.max_waiting_tokens, request_timeout=settings.request_timeout,
+                  metrics=hooks, batching=settings.batching, log_prompts=settings.log_prompts)
+
+
+def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = None) -> tuple[Engine, Metrics]:
+    """Everything the app needs, unstarted: model path resolved, tokenizer and table loaded, metrics registered."""
+    model = build_model(settings)
+    metrics = build_metrics(settings, model, registry)
+    model.metrics = SafeHooks(metrics)
+    if settings.lengths_file:
+        from planner.command import padding_report, read_lengths_file
+
+        log.info("%s", padding_report(model.table, read_lengths_file(settings.lengths_file)))
+    return engine_for(settings, model, metrics), metrics
