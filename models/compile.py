@@ -163,6 +163,28 @@ def configure_compiler(settings: CompileSettings, num_graphs: int) -> None:
         os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] = settings.cache_dir
 
 
+def prewarm_inductor(cache_dir: str) -> threading.Thread:
+    """Start inductor's one-time per-process set-up in a thread, to overlap with loading the weights: its
+    CPU-ISA probe (a compile-and-dlopen check per vector ISA, each in a child process: 1.5-3 s here) and the
+    imports its generated code needs. The caller joins the thread before the first compile or load.
+    `cache_dir`: the compile cache (set first, as configure_compiler will: inductor keeps its probes there)."""
+    if cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+
+    def work() -> None:
+        try:
+            import torch._inductor.codecache  # noqa: F401
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            pick_vec_isa()  # functools-cached for the process: the warm-up then finds it done
+        except Exception:  # noqa: BLE001  the warm-up will meet (and report) the same problem itself
+            log.debug("inductor prewarm failed", exc_info=True)
+
+    thread = threading.Thread(target=work, name="bucketserve-inductor-prewarm", daemon=True)
+    thread.start()
+    return thread
+
+
 def cache_key(parts: dict[str, Any]) -> str:
     """A directory name that changes whenever anything that shapes a compiled artifact changes: model,
     dtype, device, buckets, backend, thread count, torch and transformers versions."""

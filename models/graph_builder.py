@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import sys
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +50,17 @@ def build_graphs(spec: BuildSpec, keys: list[Any]) -> dict[str, float]:
     return {label_of(r.key): r.seconds for r in runner.accountant.records if r.cache_hit is False}
 
 
+def _die_with_parent() -> None:
+    """Builder initializer: on Linux, ask the kernel to SIGKILL this process when its parent dies (a server
+    killed with SIGKILL cannot stop its builders itself)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class ProcessBuilder:
     """A pool of `workers` spawned processes (a fresh interpreter each: no forked torch state). Owned by
     whoever runs the warm-up, and closed by it."""
@@ -71,7 +83,8 @@ class ProcessBuilder:
                 refused.set_exception(RuntimeError("the graph builder is closed"))
                 return refused
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_die_with_parent)
             return self._pool.submit(build_graphs, self.spec, keys)
 
     def close(self, abandon: bool = False) -> None:

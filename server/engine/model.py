@@ -18,7 +18,7 @@ import torch
 
 from buckets import BucketTable, GraphKey
 from buckets.scheduler import ChunkStep, PrefillStep, Sequence, Step
-from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key
+from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key, prewarm_inductor
 from models.graph_builder import BuildSpec, ProcessBuilder
 from models.hardware import resolve_compile_workers, resolve_dtype, resolve_num_threads
 from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
@@ -95,11 +95,14 @@ class EngineModel:
         s = self.settings
         torch.set_num_threads(self.num_threads)
         t0 = time.monotonic()
+        prewarm = prewarm_inductor(self.compile_cache_dir()) if s.compile_backend == "inductor" else None
         model = load_model(self.path, self.dtype, s.device)
         log.info("loaded %s (%s, %s, %d compute threads) in %.1f s", self.name, self.dtype, s.device,
                  self.num_threads, time.monotonic() - t0)
         compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
                                            s.inductor_freezing)
+        if prewarm is not None:
+            prewarm.join()
         self.runner = ModelRunner(model, self.table, compile_settings, self.accountant)
         log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, context %d: "
                  "%d graphs", list(self.table.lengths), list(self.table.batch_sizes),

@@ -178,3 +178,45 @@ def test_cancelled_warmup_stops_between_graphs(tiny_llama: str) -> None:
     with pytest.raises(WarmupCancelled, match="after 1 of 3 graphs"):
         runner.warmup(cancelled=cancelled)
     assert runner.accountant.count() == 1 and not runner.is_serving
+
+
+def test_builders_die_with_a_killed_parent(tiny_llama: str, tmp_path: Path) -> None:
+    """SIGKILL of the serving process (no chance to stop its builders) takes the builders with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from buckets import BucketTable\n"
+        "from models.compile import CompileSettings\n"
+        "from models.graph_builder import BuildSpec, ProcessBuilder\n"
+        "if __name__ == '__main__':\n"
+        f"    t = BucketTable(lengths=(8,), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=16, kv_lengths=(16,))\n"
+        f"    b = ProcessBuilder(BuildSpec({tiny_llama!r}, 'float32', 'cpu', t, "
+        f"CompileSettings(backend='inductor', cache_dir={str(tmp_path)!r}), 1), 1)\n"
+        "    b.submit(list(t.graph_keys()))\n"
+        "    print(*[p.pid for p in b._pool._processes.values()], flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]  # type: ignore[union-attr]
+        assert pids
+        deadline = time.monotonic() + 120
+        while not any(files for _, _, files in os.walk(tmp_path)):  # the builder is compiling: set up and running
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
+                  for p in pids):
+            assert time.monotonic() < deadline, "a builder outlived its killed parent"
+            time.sleep(0.2)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
