@@ -213,10 +213,13 @@ def test_builders_die_with_a_killed_parent(tiny_llama: str, tmp_path: Path) -> N
         parent.send_signal(signal.SIGKILL)
         parent.wait(30)
         deadline = time.monotonic() + 30
-        while any(os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
+        while any(os.path.exists(f"/proc/{p}") and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
                   for p in pids):
             assert time.monotonic() < deadline, "a builder outlived its killed parent"
             time.sleep(0.2)
     finally:
         if parent.poll() is None:
             parent.kill()
+            parent.wait(30)
+        if parent.stdout is not None:
+            parent.stdout.close()  # no ResourceWarning (warnings are errors)
