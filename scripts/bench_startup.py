@@ -5,7 +5,7 @@ For each configuration: an empty cache directory, a cold start (process start ->
 64-token stream (decode tokens/s after the first token), stop; then a restart on the same cache, the same
 stream, stop. Per-graph seconds come from the server's warm-up log lines.
 Usage: python scripts/bench_startup.py [--configs float32,bfloat16,bfloat16:freeze] [--threads 1]
-       [--compile-workers 0] [--out results/bench-startup]
+       [--compile-workers 0] [--restarts 1] [--keep-cache] [--out results/bench-startup]
 Writes <out>.json and <out>.md.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -60,6 +61,8 @@ def main() -> int:
     p.add_argument("--configs", default="float32,bfloat16")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile-workers", type=int, default=0)
+    p.add_argument("--restarts", type=int, default=1, help="warm restarts per configuration (the median is reported)")
+    p.add_argument("--keep-cache", action="store_true", help="reuse a filled cache: warm restarts only")
     p.add_argument("--out", default="results/bench-startup")
     args = p.parse_args()
     out = Path(args.out)
@@ -68,26 +71,34 @@ def main() -> int:
     for config in args.configs.split(","):
         dtype, _, option = config.partition(":")
         cache = out.parent / f"startup-cache-{dtype}{'-' + option if option else ''}"
-        shutil.rmtree(cache, ignore_errors=True)
+        if not args.keep_cache:
+            shutil.rmtree(cache, ignore_errors=True)
         extra = ["--dtype", dtype, "--compile-cache-dir", str(cache), "--compile-workers", str(args.compile_workers)]
         if option == "freeze":
             extra.append("--inductor-freezing")
-        row: dict[str, Any] = {"config": config}
-        for phase in ("cold", "warm"):
+        row: dict[str, Any] = {"config": config, "load_average": os.getloadavg()[0]}
+        phases = (["cold"] if not args.keep_cache else []) + [f"warm{i}" for i in range(args.restarts)]
+        for phase in phases:
             print(f"[startup] {config} {phase} ...", flush=True)
             row[phase] = one_start(f"bucketserve-{phase}", extra, out.parent / f"startup-{config.replace(':', '-')}-{phase}.log",
                                    args.threads)
             print(f"[startup] {config} {phase}: ready {row[phase]['ready_seconds']} s, "
-                  f"{row[phase]['compiled']} compiled, {row[phase]['decode_tokens_per_second']} tok/s", flush=True)
+                  f"{row[phase]['compiled']} compiled, {row[phase]['decode_tokens_per_second']} tok/s, "
+                  f"load average {os.getloadavg()[0]:.1f}", flush=True)
+        warm = sorted((row[p] for p in phases if p.startswith("warm")), key=lambda r: r["ready_seconds"])
+        row["warm"] = warm[len(warm) // 2]
+        row["warm_ready_all"] = [r["ready_seconds"] for r in warm]
+        row.setdefault("cold", None)
         results.append(row)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     lines = ["| config | graphs | cold: ready s | cold: graph s (sum) | warm: ready s | warm: graph s (sum) | "
              "warm: compiled | decode tok/s cold / warm |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        c, w = r["cold"], r["warm"]
-        lines.append(f"| {r['config']} | {len(c['graphs'])} | {c['ready_seconds']} | {c['graph_seconds']} | "
-                     f"{w['ready_seconds']} | {w['graph_seconds']} | {w['compiled']} | "
-                     f"{c['decode_tokens_per_second']} / {w['decode_tokens_per_second']} |")
+        c, w = r["cold"] or {}, r["warm"]
+        lines.append(f"| {r['config']} | {len(w['graphs'])} | {c.get('ready_seconds', '-')} | "
+                     f"{c.get('graph_seconds', '-')} | {w['ready_seconds']} (of {r['warm_ready_all']}) | "
+                     f"{w['graph_seconds']} | {w['compiled']} | "
+                     f"{c.get('decode_tokens_per_second', '-')} / {w['decode_tokens_per_second']} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
