@@ -9,7 +9,6 @@ equal to the unsharded model's and a local piece of 1/tp of it; nothing the plan
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -112,16 +111,20 @@ def check_checkpoint_whole(path: str, layout: ShardLayout) -> None:
                                     "load the whole checkpoint")
 
 
-def load_sharded(path: str, dtype: torch.dtype, tp_size: int, attn_implementation: str) -> torch.nn.Module:
-    """Load `path` split across the joined mesh with the model's own plan (transformers' DistributedConfig)."""
+def load_sharded(path: str, dtype: str, tp_size: int) -> torch.nn.Module:
+    """Load `path` split across the joined mesh with the model's own plan (transformers' DistributedConfig);
+    same attention and inference mode as models.loading.load_model."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
+
+    from models.attention import register
+    from models.loading import DTYPES
 
     config = AutoConfig.from_pretrained(path)
     layout = shard_layout(config)
     check_shardable(config, layout, tp_size)
     check_checkpoint_whole(path, layout)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=register(),
                                                  distributed_config=DistributedConfig(tp_size=tp_size))
     model.eval()
     model.requires_grad_(False)
@@ -175,13 +178,3 @@ def check_sharding(model: torch.nn.Module, layout: ShardLayout, tp_size: int) ->
     if problems:
         raise MeshError(f"{len(problems)} parameters are not sharded as the plan says: " + "; ".join(problems))
 
-
-def local_kv_heads(config: Any, tp_size: int) -> int:
-    """KV heads one rank holds: the config's count / tp (the config keeps the global count)."""
-    text = _text_config(config)
-    heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-    return heads // tp_size
-
-
-def describe_layout(layout: ShardLayout) -> str:
-    return json.dumps(layout.plan, sort_keys=True)

@@ -188,6 +188,17 @@ class LeaderRunner(ModelRunner):
             self._last_exchange = time.monotonic()
 
 
+def rank_runner(model: torch.nn.Module, table: Any, compile_settings: Any, accountant: CompileAccountant,
+                mesh: Mesh | None) -> ModelRunner:
+    """The runner for this process: plain without a mesh, leading on rank 0, plain (driven by `follow`)
+    on the other ranks; under a mesh the slot cache holds the local KV heads."""
+    if mesh is None:
+        return ModelRunner(model, table, compile_settings, accountant)
+    if mesh.spec.is_leader:
+        return LeaderRunner(model, table, compile_settings, accountant, mesh)
+    return ModelRunner(model, table, compile_settings, accountant, tp_size=mesh.spec.tp_size)
+
+
 def follow(runner: ModelRunner, channel: PlanChannel, mesh: Mesh) -> int:
     """A follower's whole life after loading: run every plan rank 0 sends until it says stop. Returns 0;
     raises MeshError when rank 0 is gone or silent for longer than the group's timeout."""

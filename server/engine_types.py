@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 
 class QueueFullError(RuntimeError):
@@ -62,6 +62,7 @@ class WarmupProgress:
     ready: bool
     draining: bool
     failed: str | None
+    mesh: dict[str, Any] | None = None  # tensor parallel: layout and per-rank compilations
 
 
 @dataclass(eq=False)

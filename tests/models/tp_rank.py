@@ -13,7 +13,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from models.attention import register  # noqa: E402
 from models.compile import CompileAccountant, CompileSettings  # noqa: E402
 from models.mesh import join_mesh, spec_from_env  # noqa: E402
 from models.runner import ModelRunner  # noqa: E402
@@ -27,7 +26,7 @@ def main(path: str, backend: str, out: str) -> int:
     spec = spec_from_env(2, timeout=60.0)
     assert spec is not None
     mesh = join_mesh(spec)
-    model = load_sharded(path, torch.float32, spec.tp_size, register())
+    model = load_sharded(path, "float32", spec.tp_size)
     settings = CompileSettings(backend=backend)
     if not spec.is_leader:
         runner = ModelRunner(model, TABLE, settings, CompileAccountant(), tp_size=spec.tp_size)
