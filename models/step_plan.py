@@ -125,7 +125,7 @@ class LeaderRunner(ModelRunner):
         self.channel = PlanChannel(mesh)
         self.refused = 0
         self.rank_compiles: list[RankCompiles] = []
-        self.heartbeat_interval = heartbeat_interval or max(0.5, mesh.spec.timeout / 4)
+        self.heartbeat_interval = heartbeat_interval or min(2.0, mesh.spec.timeout / 4)
         self._last_exchange = time.monotonic()
         self._stopped = False
 

@@ -1,0 +1,184 @@
+"""`bucketserve serve --tensor-parallel-size 2` end to end: one process starts the second rank itself; the
+mesh is reported; greedy output across buckets and batch mixes equals the unsharded model's; no rank
+compiles after warm-up; a follower killed mid-request ends that request with an error and the server
+with exit status 1, in bounded time. Slow: a follower that hangs instead of dying, and one that dies idle."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import torch
+
+from tests.server.test_operations import ServerProcess
+
+FLAGS = ["--compile-backend", "dynamo-eager", "--dtype", "float32", "--buckets", "8,16", "--batch-sizes", "1,2,4",
+         "--kv-buckets", "32,64", "--max-model-len", "64", "--num-threads", "1", "--compile-cache-dir", "none",
+         "--tensor-parallel-size", "2"]
+
+
+def follower_pids(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tiny_llama, *FLAGS, "--tp-timeout", "20", log_path=tmp_path_factory.mktemp("tp") / "serve.log")
+    try:
+        proc.wait_ready(240)
+        yield proc
+    finally:
+        proc.stop()
+        for pid in follower_pids(proc.proc.pid) if proc.proc.poll() is None else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_llama: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa").eval()
+
+
+def solo(model: Any, ids: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, pad_token_id=1, eos_token_id=None)
+    return [int(t) for t in out[0, len(ids):]]
+
+
+def tgi_tokens(url: str, text: str, n: int) -> list[int]:
+    body = {"inputs": text, "parameters": {"max_new_tokens": n, "details": True, "decoder_input_details": True}}
+    r = httpx.post(url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return [t["id"] for t in r.json()["details"]["tokens"]]
+
+
+def test_ready_and_info_report_the_mesh(server: ServerProcess) -> None:
+    body = httpx.get(server.url + "/ready").json()
+    mesh = body["mesh"]
+    assert (mesh["tensor_parallel_size"], mesh["world_size"], mesh["backend"]) == (2, 2, "gloo")
+    assert [r["rank"] for r in mesh["ranks"]] == [0, 1]
+    assert all(r["compilations_warmup"] > 0 for r in mesh["ranks"])
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'tensor_parallel_size="2"' in metrics and 'world_size="2"' in metrics
+    assert "rank 0 of tensor-parallel mesh tp=2" in server.log_path.read_text()
+
+
+def test_greedy_tp2_equals_the_unsharded_model_across_buckets_and_batch_mixes(
+        server: ServerProcess, reference_model: Any, tiny_llama: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    rng = random.Random(0)
+    # Lengths in both length buckets (8, 16); sent together, they decode in batches of 1 to 4 rows.
+    work = [(" ".join(f"w{rng.randrange(400)}" for _ in range(n)), m) for n, m in
+            ((3, 12), (8, 20), (9, 6), (16, 16), (5, 30), (12, 9))]
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = tgi_tokens(server.url, *work[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(120)
+    for i, (text, n) in enumerate(work):
+        assert results[i] == solo(reference_model, tok.encode(text), n), f"prompt {i}"
+
+
+def test_no_rank_compiles_after_warm_up(server: ServerProcess) -> None:
+    tgi_tokens(server.url, "w1 w2 w3", 4)
+    time.sleep(2.5)  # an idle heartbeat (every 2 s here) brings every rank's counts to rank 0
+    ranks = httpx.get(server.url + "/ready").json()["mesh"]["ranks"]
+    assert [(r["rank"], r["compilations_serving"], r["refused"]) for r in ranks] == [(0, 0, 0), (1, 0, 0)]
+    assert server.metric("bucketserve_recompilations_total") == 0
+    assert server.metric('bucketserve_rank_compilations{phase="serving",rank="1"}') == 0
+
+
+def _stream_until_first_token(url: str, events: list[dict[str, Any]], first: threading.Event) -> None:
+    body = {"prompt": "the cat sat on", "max_tokens": 50, "stream": True, "ignore_eos": True, "temperature": 0}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    first.set()
+    except httpx.HTTPError as exc:
+        events.append({"transport_error": str(exc)})
+    first.set()
+
+
+def kill_follower_mid_request(server: ServerProcess, sig: signal.Signals) -> tuple[list[dict[str, Any]], int, float]:
+    """Signal the follower once the first token streamed; returns the stream's events, the server's exit
+    status and the seconds from the signal to the exit."""
+    (follower,) = follower_pids(server.proc.pid)
+    events: list[dict[str, Any]] = []
+    first = threading.Event()
+    reader = threading.Thread(target=_stream_until_first_token, args=(server.url, events, first))
+    reader.start()
+    assert first.wait(60)
+    os.kill(follower, sig)
+    t0 = time.monotonic()
+    health = None
+    while server.proc.poll() is None and time.monotonic() - t0 < 60:
+        try:
+            code = httpx.get(server.url + "/health", timeout=2).status_code
+            health = code if code != 200 else health
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    status = server.proc.wait(60)
+    reader.join(30)
+    if sig == signal.SIGSTOP:
+        os.kill(follower, signal.SIGKILL)
+    assert health == 503 or status == 1
+    return events, status, time.monotonic() - t0
+
+
+def test_follower_killed_mid_request_errors_the_request_and_exits_nonzero(server: ServerProcess) -> None:
+    events, status, seconds = kill_follower_mid_request(server, signal.SIGKILL)
+    assert status == 1
+    assert seconds < 30
+    assert any("error" in e for e in events), events
+    error = next(e["error"] for e in events if "error" in e)
+    assert "MeshError" in error["message"] or "rank 1" in error["message"]
+    assert "exiting with status 1" in server.log_path.read_text()
+
+
+@pytest.mark.slow
+def test_hung_follower_fails_the_request_within_the_timeout(tiny_llama: str, tmp_path: Path) -> None:
+    server = ServerProcess(tiny_llama, *FLAGS, "--tp-timeout", "5", log_path=tmp_path / "serve.log")
+    try:
+        server.wait_ready(240)
+        events, status, seconds = kill_follower_mid_request(server, signal.SIGSTOP)
+        assert status == 1
+        assert seconds < 5 + 30  # the collective timeout, then the drain of uvicorn
+        assert any("error" in e for e in events), events
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_follower_dying_while_idle_stops_the_server(tiny_llama: str, tmp_path: Path) -> None:
+    server = ServerProcess(tiny_llama, *FLAGS, "--tp-timeout", "20", log_path=tmp_path / "serve.log")
+    try:
+        server.wait_ready(240)
+        (follower,) = follower_pids(server.proc.pid)
+        os.kill(follower, signal.SIGKILL)
+        assert server.proc.wait(30) == 1
+        assert "rank 1 of the tensor-parallel mesh was killed by signal 9" in server.log_path.read_text()
+    finally:
+        server.stop()
