@@ -26,6 +26,18 @@ log = logging.getLogger(__name__)
 # collectives wait this long for a slower rank; serving then uses the spec's (short) timeout.
 WARMUP_TIMEOUT = 1800.0
 _JOIN_KEY = "bucketserve/joined/"
+# The process group per device: the step plans are CPU objects and always go over gloo; the model's own
+# collectives use the device's backend. Only "cpu" has run here; the others are transformers' device map
+# (neuron on Trainium, nccl on CUDA) and are untested.
+BACKENDS = {"cpu": "gloo", "neuron": "cpu:gloo,neuron:neuron", "cuda": "cpu:gloo,cuda:nccl"}
+
+
+def backend_for(device: str) -> str:
+    try:
+        return BACKENDS[device]
+    except KeyError:
+        raise MeshError(f"no tensor-parallel process group backend for device {device!r} "
+                        f"(known: {sorted(BACKENDS)})") from None
 
 
 class MeshError(RuntimeError):
@@ -78,7 +90,8 @@ class MeshSpec:
                 "MASTER_PORT": str(self.master_port)}
 
 
-def spec_from_env(tp_size: int, timeout: float, environ: Mapping[str, str] | None = None) -> MeshSpec | None:
+def spec_from_env(tp_size: int, timeout: float, environ: Mapping[str, str] | None = None,
+                  backend: str = "gloo") -> MeshSpec | None:
     """The spec torchrun's variables describe (None when they are not set)."""
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" not in env or "RANK" not in env:
@@ -87,7 +100,8 @@ def spec_from_env(tp_size: int, timeout: float, environ: Mapping[str, str] | Non
         return MeshSpec(tp_size=tp_size, world_size=int(env["WORLD_SIZE"]), rank=int(env["RANK"]),
                         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                         master_port=int(env.get("MASTER_PORT", "29500")), timeout=timeout,
-                        uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
+                        uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+                        backend=backend)
     except ValueError as exc:
         if isinstance(exc, MeshError):
             raise

@@ -100,7 +100,7 @@ class PlanChannel:
     def _broadcast(self, plan: Plan | None) -> Plan | None:
         box: list[Any] = [plan]
         try:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))  # over gloo on any device
         except RuntimeError as exc:  # gloo: peer closed the connection, or the group's timeout
             raise MeshError(f"rank {self.rank}: the step plan broadcast failed: {exc}") from exc
         return box[0]  # type: ignore[no-any-return]

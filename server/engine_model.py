@@ -258,6 +258,8 @@ class EngineModel:
     def _on_compile(self, record: CompileRecord) -> None:
         if record.key is None:
             return
+        rank = self.mesh_spec.rank if self.mesh_spec is not None else 0
+        self.metrics.rank_compilations(rank, self.accountant.count("warmup"), self.accountant.count("serving"))
         self.metrics.graph_compiled(record.key, record.seconds, record.phase)
         if record.cache_hit is not None:
             self.metrics.compile_cache(record.cache_hit)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from models.loading import resolve_model_path
-from models.mesh import MeshError, MeshSpec, spec_from_env
+from models.mesh import MeshError, MeshSpec, backend_for, spec_from_env
 from server.config import ServerSettings
 
 log = logging.getLogger("bucketserve.mesh")
@@ -98,13 +98,14 @@ def check_model_fits(settings: ServerSettings) -> None:
 def start_ranks(settings: ServerSettings, environ: Mapping[str, str] | None = None) -> RankLaunch:
     env = dict(os.environ if environ is None else environ)
     tp = settings.tensor_parallel_size
-    spec = spec_from_env(tp, settings.tp_timeout, env)
+    backend = backend_for(settings.device)
+    spec = spec_from_env(tp, settings.tp_timeout, env, backend)
     if spec is not None and spec.world_size > 1:
         return RankLaunch(spec)  # torchrun (or we, for a follower) started this rank
     if tp == 1:
         return RankLaunch(None)
     spec = MeshSpec(tp_size=tp, world_size=tp, rank=0, master_addr="127.0.0.1", master_port=_free_port(),
-                    timeout=settings.tp_timeout)
+                    timeout=settings.tp_timeout, backend=backend)
     check_model_fits(settings)
     launch = RankLaunch(spec)
     child_env = {**env, SETTINGS_ENV: settings_to_env(settings)}

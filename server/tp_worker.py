@@ -13,7 +13,7 @@ import os
 import sys
 
 from models.loading import resolve_model_path
-from models.mesh import MeshError, MeshSpec, spec_from_env
+from models.mesh import MeshError, MeshSpec, backend_for, spec_from_env
 from models.step_plan import PlanChannel, follow
 from server.config import ServerSettings
 
@@ -51,7 +51,7 @@ def main() -> int:
     settings = settings_from_env(text)
     configure_logging(settings.log_format)
     try:
-        spec = spec_from_env(settings.tensor_parallel_size, settings.tp_timeout)
+        spec = spec_from_env(settings.tensor_parallel_size, settings.tp_timeout, None, backend_for(settings.device))
     except MeshError as exc:
         print(f"tp_worker: {exc}", file=sys.stderr)
         return 1
