@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -240,7 +240,3 @@ def _run(runner: ModelRunner, plan: Plan) -> None:
         runner.chunk(plan.slot, plan.offset, list(plan.token_ids), plan.kv)
     else:
         raise MeshError(f"unknown step plan {plan!r}")
-
-
-def describe_compiles(counts: Sequence[RankCompiles]) -> str:
-    return ", ".join(f"rank {c.rank}: {c.warmup} at warm-up, {c.serving} after" for c in counts)

@@ -21,12 +21,12 @@ from buckets.scheduler import ChunkStep, PrefillStep, Sequence, Step
 from models.hardware import resolve_dtype, resolve_num_threads
 from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key
 from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
-from models.mesh import Mesh, MeshSpec, join_mesh
+from models.mesh import MeshSpec
 from models.runner import ModelRunner, PrefillRow
-from models.sharding import load_sharded
-from models.step_plan import LeaderRunner, RankCompiles, rank_runner
+from models.step_plan import rank_runner
 from models.sampling import SampledToken, Sampler, SamplingParams
 from server.config import ServerSettings
+from server.engine_mesh import EngineMesh
 from server.hooks import SafeHooks
 from server.step_sampling import StepLogits, sample_step
 
@@ -79,9 +79,8 @@ class EngineModel:
         self._decode_positions = torch.zeros(self.table.max_batch, dtype=torch.long)
         self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused)
         self._ready = threading.Event()
-        self.mesh_spec = mesh_spec  # tensor parallel: joined, and the shard loaded, by build_runner
-        self.mesh: Mesh | None = None
-        self.rank_compiles: list[RankCompiles] = []
+        self.mesh_spec = mesh_spec
+        self.mesh = EngineMesh(mesh_spec) if mesh_spec is not None else None  # tensor parallel
 
     @property
     def is_ready(self) -> bool:
@@ -118,8 +117,8 @@ class EngineModel:
             missing = [str(r.key) for r in self.accountant.records if not r.cache_hit]
             if missing:
                 raise CacheMissingError(f"{len(missing)} graphs were not in the compile cache: {', '.join(missing)}")
-        if isinstance(self.runner, LeaderRunner):
-            self._on_rank_compiles(self.runner.rank_compiles)
+        if self.mesh is not None:
+            self.mesh.warmed(self.runner, self.metrics)
         self.metrics.warmup_finished(seconds)
         self.metrics.set_ready(True)
         self._ready.set()
@@ -132,47 +131,19 @@ class EngineModel:
                                                s.inductor_freezing)
         torch.set_num_threads(self.num_threads)
         t0 = time.monotonic()
-        if self.mesh_spec is not None:
-            self.mesh = join_mesh(self.mesh_spec)
-            model = load_sharded(self.path, self.dtype, self.mesh_spec.tp_size)
-        else:
-            model = load_model(self.path, self.dtype, s.device)
+        model = self.mesh.load(self.path, self.dtype) if self.mesh else load_model(self.path, self.dtype, s.device)
         log.info("loaded %s (%s, %s, %d compute threads%s) in %.1f s", self.name, self.dtype, s.device,
-                 self.num_threads, self._mesh_note(), time.monotonic() - t0)
-        return rank_runner(model, self.table, compile_settings, self.accountant, self.mesh)
+                 self.num_threads, self.mesh.note if self.mesh else "", time.monotonic() - t0)
+        return rank_runner(model, self.table, compile_settings, self.accountant, self.mesh.mesh if self.mesh else None)
 
     def tick(self) -> None:
-        """Engine thread, between steps: under tensor parallelism an idle leader heartbeats the followers
-        (a dead or hung one raises MeshError) and collects their compile counts."""
-        if isinstance(self.runner, LeaderRunner) and self.is_ready:
-            counts = self.runner.heartbeat()
-            if counts is not None:
-                self._on_rank_compiles(counts)
+        """Engine thread, between steps: under tensor parallelism an idle rank 0 heartbeats the followers."""
+        if self.mesh is not None and self.is_ready:
+            self.mesh.tick(self.runner, self.metrics)
 
     def mesh_info(self) -> dict[str, Any] | None:
-        """The mesh for /ready and the logs: layout and each rank's compilations (None without a mesh)."""
-        if self.mesh_spec is None:
-            return None
-        info = self.mesh_spec.describe()
-        info["ranks"] = [{"rank": c.rank, "compilations_warmup": c.warmup, "compilations_serving": c.serving,
-                          "refused": c.refused} for c in self.rank_compiles]
-        return info
-
-    def _mesh_note(self) -> str:
-        spec = self.mesh_spec
-        return f", rank {spec.rank} of tensor-parallel mesh tp={spec.tp_size}" if spec is not None else ""
-
-    def _on_rank_compiles(self, counts: list[RankCompiles]) -> None:
-        before = {c.rank: c.serving for c in self.rank_compiles}
-        self.rank_compiles = list(counts)
-        for c in counts:
-            self.metrics.rank_compilations(c.rank, c.warmup, c.serving)
-            if c.rank != 0:  # a follower's compile after warm-up is a recompile too (rank 0's count as they happen)
-                for _ in range(c.serving - before.get(c.rank, 0)):
-                    self.metrics.recompiled("other_rank")
-        if before == {}:
-            log.info("mesh %s: compilations per rank: %s", self.mesh_spec and self.mesh_spec.describe(),
-                     ", ".join(f"rank {c.rank}: {c.warmup} at warm-up, {c.serving} after" for c in counts))
+        """The mesh for /ready: layout and each rank's compilations (None without a mesh)."""
+        return self.mesh.info() if self.mesh is not None else None
 
     def compile_cache_dir(self) -> str:
         """The keyed subdirectory of --compile-cache-dir for this model, dtype, device, buckets and versions."""
@@ -235,11 +206,8 @@ class EngineModel:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.stop_serving()
-        if isinstance(self.runner, LeaderRunner):
-            self.runner.stop_followers()
         if self.mesh is not None:
-            self.mesh.close()
-            self.mesh = None
+            self.mesh.close(self.runner)
 
     # -- callbacks -------------------------------------------------------------------------------------
     def _on_warm(self, key: Any, seconds: float, done: int, total: int) -> None:

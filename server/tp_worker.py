@@ -28,15 +28,15 @@ def follower_main(settings: ServerSettings, spec: MeshSpec) -> int:
         path = resolve_model_path(settings.model, settings.model_cache_dir or None)
         model = EngineModel(settings, path, mesh_spec=spec)
         runner = model.build_runner()  # joins the mesh, loads this rank's shard
-        assert model.mesh is not None
+        assert model.mesh is not None and model.mesh.mesh is not None
         log.info("rank %d: loaded its shard; following rank 0", spec.rank)
-        return follow(runner, PlanChannel(model.mesh), model.mesh)
+        return follow(runner, PlanChannel(model.mesh.mesh), model.mesh.mesh)
     except MeshError as exc:
         log.error("rank %d: %s", spec.rank, exc)
         return 1
     finally:
-        if model is not None and model.mesh is not None:
-            model.mesh.close()
+        if model is not None:
+            model.close()
 
 
 def main() -> int:

@@ -181,6 +181,8 @@ def test_follower_dying_while_idle_stops_the_server(tiny_llama: str, tmp_path: P
         (follower,) = follower_pids(server.proc.pid)
         os.kill(follower, signal.SIGKILL)
         assert server.proc.wait(30) == 1
-        assert "rank 1 of the tensor-parallel mesh was killed by signal 9" in server.log_path.read_text()
+        log = server.log_path.read_text()
+        # The watchdog (it polls the process) or the idle heartbeat (its collective fails), whichever is first.
+        assert "rank 1 of the tensor-parallel mesh was killed by signal 9" in log or "MeshError" in log
     finally:
         server.stop()
