@@ -56,12 +56,13 @@ class RankLaunch:
                 proc.wait(grace)
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGTERM)
-        for proc in self.followers.values():
+        for rank, proc in self.followers.items():
             try:
                 proc.wait(5.0)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5.0)
+            log.info("rank %d exited with code %s", rank, proc.returncode)
 
 
 def settings_to_env(settings: ServerSettings) -> str:

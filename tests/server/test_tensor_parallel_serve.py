@@ -186,3 +186,31 @@ def test_follower_dying_while_idle_stops_the_server(tiny_llama: str, tmp_path: P
         assert "rank 1 of the tensor-parallel mesh was killed by signal 9" in log or "MeshError" in log
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_and_every_rank_exits_zero(tiny_llama: str, tmp_path: Path) -> None:
+    server = ServerProcess(tiny_llama, *FLAGS, "--tp-timeout", "20", log_path=tmp_path / "serve.log")
+    try:
+        server.wait_ready(240)
+        (follower,) = follower_pids(server.proc.pid)
+        assert tgi_tokens(server.url, "w1 w2", 3)
+    finally:
+        assert server.stop() == 0
+    assert not Path(f"/proc/{follower}").exists()  # reaped by the server that started it
+    log = server.log_path.read_text()
+    assert "rank 1: rank 0 is stopping; leaving" in log and "rank 1 exited with code 0" in log
+
+
+@pytest.mark.slow
+def test_precompile_warms_every_rank(tiny_llama: str) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "server.cli", "precompile", "--model", tiny_llama, *FLAGS],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    mesh = json.loads(out.stdout)["mesh"]
+    assert mesh["tensor_parallel_size"] == 2
+    assert [(r["rank"], r["compilations_serving"]) for r in mesh["ranks"]] == [(0, 0), (1, 0)]
+    assert all(r["compilations_warmup"] > 0 for r in mesh["ranks"])
