@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from models.loading import resolve_model_path
@@ -23,6 +24,11 @@ log = logging.getLogger("bucketserve.mesh")
 def follower_main(settings: ServerSettings, spec: MeshSpec) -> int:
     from server.engine_model import EngineModel
 
+    # Rank 0 decides when the ranks stop (its drain, then a stop plan). A SIGINT or SIGTERM sent to the whole
+    # process group (Ctrl-C, `kill -- -PGID`, torchrun forwarding) must not kill a follower under a draining
+    # rank 0. A follower still always leaves: rank 0 gone -> its collectives fail; silent -> they time out.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     model = None
     try:
         path = resolve_model_path(settings.model, settings.model_cache_dir or None)
@@ -32,7 +38,7 @@ def follower_main(settings: ServerSettings, spec: MeshSpec) -> int:
         log.info("rank %d: loaded its shard; following rank 0", spec.rank)
         return follow(runner, PlanChannel(model.mesh.mesh), model.mesh.mesh)
     except MeshError as exc:
-        log.error("rank %d: %s", spec.rank, exc)
+        log.error("rank %d exits: %s", spec.rank, exc)
         return 1
     finally:
         if model is not None:

@@ -195,6 +195,9 @@ def test_sigterm_drains_and_every_rank_exits_zero(tiny_llama: str, tmp_path: Pat
         server.wait_ready(240)
         (follower,) = follower_pids(server.proc.pid)
         assert tgi_tokens(server.url, "w1 w2", 3)
+        os.kill(follower, signal.SIGTERM)  # as a signal to the whole process group would: rank 0 decides
+        time.sleep(1.0)
+        assert _alive(follower)
     finally:
         assert server.stop() == 0
     assert not Path(f"/proc/{follower}").exists()  # reaped by the server that started it
@@ -214,3 +217,26 @@ def test_precompile_warms_every_rank(tiny_llama: str) -> None:
     assert mesh["tensor_parallel_size"] == 2
     assert [(r["rank"], r["compilations_serving"]) for r in mesh["ranks"]] == [(0, 0), (1, 0)]
     assert all(r["compilations_warmup"] > 0 for r in mesh["ranks"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_followers_leave_when_rank_zero_dies(tiny_llama: str, tmp_path: Path) -> None:
+    server = ServerProcess(tiny_llama, *FLAGS, "--tp-timeout", "20", log_path=tmp_path / "serve.log")
+    try:
+        server.wait_ready(240)
+        (follower,) = follower_pids(server.proc.pid)
+        server.proc.kill()
+        deadline = time.monotonic() + 30
+        while _alive(follower) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(follower)
+        assert "rank 1 exits: rank 1: the step plan broadcast failed" in server.log_path.read_text()
+    finally:
+        server.stop()
