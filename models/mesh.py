@@ -56,6 +56,9 @@ class MeshSpec:
     timeout: float = 60.0  # seconds: joining, and any collective while serving
     uses_agent_store: bool = False  # torchrun's agent already serves the store at master_addr:port
     backend: str = "gloo"
+    # Rank 0's store when it was served before the followers started (serve_store): they connect at once
+    # instead of racing rank 0's start-up against the timeout.
+    store: Any = field(default=None, compare=False, repr=False)
     dims: tuple[tuple[str, int], ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +128,16 @@ class Mesh:
             dist.destroy_process_group()
 
 
+def serve_store(spec: MeshSpec) -> Any:
+    """Rank 0: serve the mesh's TCPStore now (before starting the followers)."""
+    try:
+        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, True,
+                             timeout=datetime.timedelta(seconds=spec.timeout), wait_for_workers=False)
+    except (RuntimeError, TimeoutError) as exc:
+        raise MeshError(f"rank 0 could not serve the mesh store at {spec.master_addr}:{spec.master_port}: "
+                        f"{exc}") from exc
+
+
 def join_mesh(spec: MeshSpec, *, poll: float = 0.05) -> Mesh:
     """Connect this rank; rank 0 returns once every rank has joined, or raises MeshError naming the missing
     ranks after spec.timeout seconds. The group starts with the warm-up timeout (see WARMUP_TIMEOUT)."""
@@ -135,8 +148,8 @@ def join_mesh(spec: MeshSpec, *, poll: float = 0.05) -> Mesh:
     is_server = spec.is_leader and not spec.uses_agent_store
     where = f"{spec.master_addr}:{spec.master_port}"
     try:
-        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_server, timeout=timeout,
-                              wait_for_workers=False)
+        store = spec.store if spec.store is not None else dist.TCPStore(
+            spec.master_addr, spec.master_port, spec.world_size, is_server, timeout=timeout, wait_for_workers=False)
     except (RuntimeError, TimeoutError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
         who = "could not serve the mesh store" if is_server else "could not reach rank 0's store"
         raise MeshError(f"rank {spec.rank} {who} at {where} within {spec.timeout:g} s: {exc}") from exc

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from models.loading import resolve_model_path
-from models.mesh import MeshError, MeshSpec, backend_for, spec_from_env
+from models.mesh import MeshError, MeshSpec, backend_for, serve_store, spec_from_env
 from server.config import ServerSettings
 
 log = logging.getLogger("bucketserve.mesh")
@@ -108,6 +108,7 @@ def start_ranks(settings: ServerSettings, environ: Mapping[str, str] | None = No
     spec = MeshSpec(tp_size=tp, world_size=tp, rank=0, master_addr="127.0.0.1", master_port=_free_port(),
                     timeout=settings.tp_timeout, backend=backend)
     check_model_fits(settings)
+    spec = dataclasses.replace(spec, store=serve_store(spec))  # up before the followers look for it
     launch = RankLaunch(spec)
     child_env = {**env, SETTINGS_ENV: settings_to_env(settings)}
     for rank in range(1, tp):
