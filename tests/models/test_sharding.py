@@ -60,3 +60,18 @@ def test_an_already_sharded_checkpoint_is_refused(tmp_path: Path) -> None:
     with pytest.raises(MeshError, match=rf"{name} in model.safetensors has shape \[32, 64\] but the model needs "
                                         r"\[64, 64\]: the checkpoint is already sharded"):
         check_checkpoint_whole(str(path), layout)
+
+
+def test_slot_cache_holds_the_local_kv_heads() -> None:
+    import torch
+
+    from models.slot_cache import SlotStorage
+
+    def storage(tp: int) -> SlotStorage:
+        return SlotStorage(_llama(), max_slots=2, context_length=8, max_prefill_rows=1, max_prefill_length=8,
+                           dtype=torch.float32, device="cpu", tp_size=tp)
+
+    assert storage(1).keys[0].shape == (2, 2, 8, 16)  # [slots, KV heads, context, head dim]
+    assert storage(2).keys[0].shape == (2, 1, 8, 16)  # one of the two KV heads per rank
+    with pytest.raises(ValueError, match="2 KV heads do not divide by the tensor-parallel size 4"):
+        storage(4)

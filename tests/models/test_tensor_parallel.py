@@ -43,15 +43,18 @@ def _assert_same(single: tuple[list[list[int]], list[torch.Tensor]], tp: dict[st
     assert worst < LOGITS_TOL
 
 
+@pytest.mark.slow  # the default suite's TP=2 check is tests/server/test_tensor_parallel_serve.py
 def test_tp2_greedy_tokens_and_logits_match_single_process(single, tp_eager) -> None:
     _assert_same(single, tp_eager)
     assert len(tp_eager["tokens"]) == 4 and all(len(t) >= 6 for t in tp_eager["tokens"])
 
 
+@pytest.mark.slow
 def test_slot_cache_holds_local_kv_heads(tp_eager) -> None:
     assert tp_eager["kv_heads"] == 1  # the tiny Llama has 2 KV heads: one per rank
 
 
+@pytest.mark.slow
 def test_shard_check_refuses_double_whole_and_replicated_parameters(tp_eager) -> None:
     verdicts = tp_eager["tampered"]
     name = "model.layers.0.self_attn.q_proj.weight"
