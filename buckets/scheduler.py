@@ -26,11 +26,13 @@ from buckets.table import BucketTable
 
 
 class QueueFullError(RuntimeError):
-    """Admission refused: the waiting queue is at its request or token limit."""
+    """Admission refused (429): the waiting queue is at its request or token limit. The engine adds its
+    estimate of when to retry (`retry_after`, seconds); the scheduler alone cannot know it."""
 
-    def __init__(self, reason: str, limit: int) -> None:
+    def __init__(self, reason: str, limit: int, retry_after: float | None = None) -> None:
         self.reason = reason  # "requests" | "tokens"
         self.limit = limit
+        self.retry_after = retry_after
         super().__init__(f"server busy: the waiting queue is at its limit of {limit} {reason}")
 
 
@@ -145,13 +147,22 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a request (raises QueueFullError or PromptTooLongError; never drops silently)."""
-        seq.bucket = self.table.check_request(seq.prompt_len, seq.max_tokens)
-        if len(self.waiting) >= self.max_waiting_requests:
-            raise QueueFullError("requests", self.max_waiting_requests)
-        if self._waiting_tokens + seq.prompt_len > self.max_waiting_tokens and self.waiting:
-            raise QueueFullError("tokens", self.max_waiting_tokens)
-        self.waiting.append(seq)
-        self._waiting_tokens += seq.prompt_len
+        self.add_many([seq])
+
+    def add_many(self, seqs: list[Sequence]) -> None:
+        """Queue several requests (the n choices of one request) together or none of them. Every size check
+        comes first: a request that can never fit is refused as such (400), whatever the queue holds (429)."""
+        for seq in seqs:
+            seq.bucket = self.table.check_request(seq.prompt_len, seq.max_tokens)
+        tokens = self._waiting_tokens
+        for i, seq in enumerate(seqs):
+            if len(self.waiting) + i >= self.max_waiting_requests:
+                raise QueueFullError("requests", self.max_waiting_requests)
+            if tokens + seq.prompt_len > self.max_waiting_tokens and (self.waiting or i):
+                raise QueueFullError("tokens", self.max_waiting_tokens)
+            tokens += seq.prompt_len
+        self.waiting.extend(seqs)
+        self._waiting_tokens = tokens
 
     def abort(self, request_id: str) -> Sequence | None:
         """Remove a waiting or running request; its slot is free for the next step."""

@@ -72,6 +72,8 @@ class CompileAccountant:
     # Called when a compile after warm-up was refused (policy "error"): (graph key, reason). The attempt
     # is the alert signal even though nothing compiled.
     on_refused: Callable[[Any, str], None] | None = None
+    # Called when a saved graph artifact was found unusable and is rebuilt: (graph key, reason).
+    on_rejected: Callable[[Any, str], None] | None = None
     records: list[CompileRecord] = field(default_factory=list)
     phase: CompilePhase = "warmup"
     current_key: Any = None
@@ -117,6 +119,11 @@ class CompileAccountant:
         if self.on_refused is not None:
             self.on_refused(key, reason)
 
+    def rejected(self, key: Any, reason: str) -> None:
+        log.warning("compiled graph artifact for %s not used (%s); compiling it again", key, reason)
+        if self.on_rejected is not None:
+            self.on_rejected(key, reason)
+
     def count(self, phase: CompilePhase | None = None) -> int:
         with self._lock:
             return sum(1 for r in self.records if phase is None or r.phase == phase)
@@ -154,6 +161,28 @@ def configure_compiler(settings: CompileSettings, num_graphs: int) -> None:
     if settings.backend == "neuron" and settings.cache_dir:
         # TorchNeuron reads its NEFF cache location from this variable.
         os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] = settings.cache_dir
+
+
+def prewarm_inductor(cache_dir: str) -> threading.Thread:
+    """Start inductor's one-time per-process set-up in a thread, to overlap with loading the weights: its
+    CPU-ISA probe (a compile-and-dlopen check per vector ISA, each in a child process: 1.5-3 s here) and the
+    imports its generated code needs. The caller joins the thread before the first compile or load.
+    `cache_dir`: the compile cache (set first, as configure_compiler will: inductor keeps its probes there)."""
+    if cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+
+    def work() -> None:
+        try:
+            import torch._inductor.codecache  # noqa: F401
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            pick_vec_isa()  # functools-cached for the process: the warm-up then finds it done
+        except Exception:  # noqa: BLE001  the warm-up will meet (and report) the same problem itself
+            log.debug("inductor prewarm failed", exc_info=True)
+
+    thread = threading.Thread(target=work, name="bucketserve-inductor-prewarm", daemon=True)
+    thread.start()
+    return thread
 
 
 def cache_key(parts: dict[str, Any]) -> str:

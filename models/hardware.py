@@ -45,12 +45,30 @@ def resolve_dtype(name: str, device: str, flags: frozenset[str] | None = None) -
     return "bfloat16" if has_native_bf16(cpu_flags() if flags is None else flags) else "float32"
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """Cores this process may use: its affinity mask (taskset, cpusets), further capped by a cgroup v2 CPU
+    quota (a Kubernetes CPU limit of 2 on a 64-core node is 2 cores, rounded up), whichever is smaller."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cpu_max)
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    """cpu.max holds "<quota> <period>" (or "max <period>": no limit); the quota in whole cores, rounded up."""
+    try:
+        with open(path) as fh:
+            quota, period = fh.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(1, -(-int(quota) // int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def resolve_num_threads(requested: int, cores: int | None = None) -> int:
@@ -60,3 +78,15 @@ def resolve_num_threads(requested: int, cores: int | None = None) -> int:
     if requested:
         return requested
     return max(1, (usable_cores() if cores is None else cores) - 1)
+
+
+MAX_COMPILE_WORKERS = 4  # each one holds a copy of the weights; beyond the cores they only contend
+
+
+def resolve_compile_workers(requested: int, cores: int | None = None) -> int:
+    """0 -> one compiling process per usable core, at most MAX_COMPILE_WORKERS; otherwise as requested."""
+    if requested < 0:
+        raise ValueError(f"compile_workers must be >= 0, got {requested}")
+    if requested:
+        return requested
+    return max(1, min(MAX_COMPILE_WORKERS, usable_cores() if cores is None else cores))

@@ -12,7 +12,6 @@ import importlib.util
 import sys
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
@@ -29,15 +28,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class ModelLoadError(RuntimeError):
     """The model or tokenizer could not be found or loaded."""
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: Any  # transformers PreTrainedTokenizerBase
-    path: str
-    name: str
-    max_position_embeddings: int
 
 
 def cache_root() -> Path:

@@ -10,13 +10,16 @@ import collections
 import contextlib
 import itertools
 import logging
+import os
 import time
 import types
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
+from models.artifacts import GraphStore, aot_compile, label_of, model_fingerprint
 from models.compile import (
     CompileAccountant,
     CompileSettings,
@@ -57,6 +60,21 @@ class ShapeTable(Protocol):
     def kv_for(self, positions: int) -> int: ...
 
     def graph_keys(self) -> Iterable[Any]: ...
+
+
+class GraphBuilder(Protocol):
+    """Compiles graphs into the runner's store in other processes while the runner compiles its own share."""
+
+    @property
+    def workers(self) -> int: ...
+
+    def submit(self, keys: list[Any]) -> Future[dict[str, float]]:
+        """Build `keys` into the store; the future gives each built graph's label and compile seconds."""
+        ...
+
+
+class WarmupCancelled(RuntimeError):
+    """The warm-up was asked to stop (shutdown during start-up)."""
 
 
 class UnknownShapeError(ValueError):
@@ -175,7 +193,22 @@ class ModelRunner:
         kinds, window = self.storage.layer_types, sliding_window(model.config)
         decode = _make_decode_step(self.dtype, kinds, window)
         chunk = _make_chunk_step(self.dtype, kinds, window)
-        if compile_settings.compiles:
+        # Inductor without freezing: one ahead-of-time compiled function per graph key, saved as a file in the
+        # compile cache and loaded on the next start (frozen graphs embed their weights and cannot be saved).
+        # Calls go straight to the key's function: no dynamo guard evaluation per step.
+        self.aot = compile_settings.backend == "inductor" and not compile_settings.inductor_freezing
+        self.store = GraphStore(os.path.join(compile_settings.cache_dir, "graphs")) \
+            if self.aot and compile_settings.cache_dir else None
+        self._graphs: dict[Any, Callable[..., Any]] = {}
+        self._built_elsewhere: dict[str, float] = {}  # label -> compile seconds in a builder process
+        self.fingerprint = model_fingerprint(model) if self.store is not None else ""
+        if compile_settings.compiles and self.aot:
+            configure_compiler(compile_settings, len(self.keys))
+            self.accountant.cache_enabled = self.store is not None
+            self._inductor = resolve_backend("inductor")
+            self._prefill_fn, self._decode_fn, self._chunk_fn = _prefill_step, decode, chunk
+            self._sample_fn: Callable[..., Any] = _sample_step
+        elif compile_settings.compiles:
             configure_compiler(compile_settings, len(self.keys))
             if compile_settings.backend == "neuron" and compile_settings.cache_dir:
                 self.accountant.probe_dir = compile_settings.cache_dir  # NEFFs land there on a miss
@@ -199,12 +232,22 @@ class ModelRunner:
         self,
         keys: Iterable[Any] | None = None,
         progress: Callable[[Any, float, int, int], None] | None = None,
+        builder: GraphBuilder | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> float:
-        """Compile and run every graph once, in the table's fixed order; then forbid recompiles."""
+        """Compile (or load) and run every graph once, in the table's fixed order; then forbid recompiles.
+        With a builder, graphs missing from the store are split between this process and the builder's
+        workers; this process warms its share first, then loads the others' artifacts. `cancelled` is asked
+        before each graph: a shutdown during a cold start waits for one compile, not for the whole table."""
         todo = list(self.keys if keys is None else keys)
         start = time.perf_counter()
         self.accountant.phase = "warmup"
+        todo, pending = self._share_out(todo, builder)
         for done, key in enumerate(todo, 1):
+            if cancelled is not None and cancelled():
+                raise WarmupCancelled(f"warm-up cancelled after {done - 1} of {len(todo)} graphs")
+            if pending and key in pending[0]:
+                self._collect(pending)
             t0 = time.perf_counter()
             if key.phase == "decode":
                 zeros = torch.zeros(key.batch, dtype=torch.long)
@@ -221,6 +264,34 @@ class ModelRunner:
                 progress(key, time.perf_counter() - t0, done, len(todo))
         self.start_serving()
         return time.perf_counter() - start
+
+    def _share_out(self, todo: list[Any], builder: GraphBuilder | None
+                   ) -> tuple[list[Any], tuple[set[Any], list[Future[dict[str, float]]]] | None]:
+        if builder is None or builder.workers < 1 or self.store is None:
+            return todo, None
+        store = self.store
+        cold = [k for k in todo if not store.has(k)]
+        n = builder.workers + 1
+        theirs = [k for i, k in enumerate(cold) if i % n]
+        if not theirs:
+            return todo, None
+        futures = [builder.submit(part) for part in (cold[i::n] for i in range(1, n)) if part]
+        log.info("warm-up: %d graphs to compile, %d of them in %d builder processes", len(cold), len(theirs),
+                 len(futures))
+        mine = [k for k in todo if k not in theirs]
+        return mine + theirs, (set(theirs), futures)
+
+    def _collect(self, pending: tuple[set[Any], list[Future[dict[str, float]]]]) -> None:
+        """Wait for the builders; a builder that failed only means this process compiles those graphs."""
+        keys, futures = pending
+        for future in futures:
+            try:
+                self._built_elsewhere.update(future.result())
+            except Exception as exc:  # noqa: BLE001  the graphs are compiled here instead
+                log.error("a graph builder process failed (%s: %s); compiling its graphs here",
+                          type(exc).__name__, exc)
+        futures.clear()
+        keys.clear()
 
     def start_serving(self) -> None:
         """From now on every compilation counts as a recompile; with policy 'error' it is refused."""
@@ -278,6 +349,10 @@ class ModelRunner:
         return key
 
     def _call(self, fn: Callable[..., torch.Tensor], key: Any, *args: Any) -> torch.Tensor:
+        if self.aot:
+            with torch.no_grad():
+                graph = self._graphs.get(key) or self._prepare(fn, key, args)
+                return graph(self.model, *args)  # type: ignore[no-any-return]
         # The stance is scoped to this runner's calls (it is process-wide state, and tests run several).
         stance = fail_on_recompile() if self._fail_closed else contextlib.nullcontext()
         try:
@@ -288,6 +363,41 @@ class ModelRunner:
                 self.accountant.refused(key, "guard_failure")
                 raise RecompileError(f"graph {key} would recompile after warm-up: {exc}") from exc
             raise
+
+    def _prepare(self, fn: Callable[..., Any], key: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """The key's compiled function: loaded from the store when its artifact is sound and fits this model
+        and cache (its guards pass on these inputs), else compiled now and saved."""
+        if self._fail_closed:  # _check refuses unwarmed keys first; never compile while serving fail-closed
+            self.accountant.refused(key, "unwarmed_shape")
+            raise RecompileError(f"graph {key} was not warmed up; refusing to compile while serving")
+        graph = self._load(key, args) if self.store is not None else None
+        if graph is None:
+            t0 = time.perf_counter()
+            graph = aot_compile(fn, self._inductor, (self.model, *args))
+            seconds = time.perf_counter() - t0
+            self.accountant.record(seconds, cache_hit=False)
+            if self.store is not None:
+                self.store.save(key, graph, seconds, self.fingerprint)
+        # Dispatch is by key and the inputs come from the key's own buffers: no guard evaluation per step.
+        graph.disable_guard_check()  # type: ignore[union-attr]
+        self._graphs[key] = graph
+        return graph
+
+    def _load(self, key: Any, args: tuple[Any, ...]) -> Callable[..., Any] | None:
+        assert self.store is not None
+        loaded = self.store.load(key, self.fingerprint)
+        reason = loaded.reason
+        if loaded.fn is not None and not loaded.fn.guard_check(self.model, *args):  # type: ignore[attr-defined]
+            reason = "stale: its guards do not match this model or cache"
+        elif loaded.fn is not None:
+            built = self._built_elsewhere.pop(label_of(key), None)
+            # Built by a builder process during this warm-up: a cold compile (a miss), timed there.
+            self.accountant.record(loaded.seconds if built is None else built, cache_hit=built is None)
+            return loaded.fn
+        if reason != "missing":
+            self.accountant.rejected(key, reason)
+            self.store.remove(key)
+        return None
 
     def _run_decode(self, batch: int, kv: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         key = self._check("decode", batch, kv)

@@ -4,77 +4,14 @@ per-request options (one graph per shape, whatever the sampling settings)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+# The record lives in the torch-free models.params; re-exported for the model-side callers.
+from models.params import SamplingError, SamplingParams
 
-class SamplingError(ValueError):
-    """A sampling parameter is out of range; the message names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        self.param = param
-        super().__init__(f"{param}: {message}")
-
-
-MIN_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request generation settings. `temperature == 0` means greedy."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus the top k
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _finite(self, "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-        if self.max_tokens < 1:
-            raise SamplingError("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise SamplingError("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise SamplingError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise SamplingError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not -2 <= self.presence_penalty <= 2:
-            raise SamplingError("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise SamplingError("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not 0.01 <= self.repetition_penalty <= 100:
-            raise SamplingError("repetition_penalty", f"must be in [0.01, 100], got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingError("logprobs", f"must be in [0, 20], got {self.logprobs}")
-
-    @property
-    def is_greedy(self) -> bool:
-        # A vanishing temperature is greedy in the limit; dividing by it would overflow to inf/NaN.
-        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-
-def _finite(params: SamplingParams, *names: str) -> None:
-    for name in names:
-        value = getattr(params, name)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise SamplingError(name, f"must be a finite number, got {value!r}")
+__all__ = ["SampledToken", "Sampler", "SamplingError", "SamplingParams"]
 
 
 @dataclass(frozen=True)

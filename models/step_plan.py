@@ -130,10 +130,12 @@ class LeaderRunner(ModelRunner):
         self._stopped = False
 
     def warmup(self, keys: Iterable[Any] | None = None,
-               progress: Callable[[Any, float, int, int], None] | None = None) -> float:
+               progress: Callable[[Any, float, int, int], None] | None = None, builder: Any = None,
+               cancelled: Callable[[], bool] | None = None) -> float:
+        # No builder processes under a mesh: a rank's graphs run collectives with the other ranks.
         todo = list(self.keys if keys is None else keys)
         self._lead(WarmupPlan(tuple((k.phase, k.batch, k.length) for k in todo)))
-        seconds = self._guard(lambda: super(LeaderRunner, self).warmup(todo, progress))
+        seconds = self._guard(lambda: super(LeaderRunner, self).warmup(todo, progress, None, cancelled))
         self.rank_compiles = self.channel.gather_compiles(self.accountant, self.refused)
         self.mesh.set_timeout(self.mesh.spec.timeout)  # from now on a slow rank is a broken one
         return seconds

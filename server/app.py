@@ -1,6 +1,9 @@
 """The Starlette application: routes, error handling, HTTP metrics, optional API-key auth and the
 lifespan that starts and stops the engine thread.
 
+Error handling is one place: `HttpMiddleware` turns any exception a route raises into that request's
+error response (errors.to_api_error); Starlette's own 404 / 405 go through `http_exception_handler`.
+
 The port opens immediately; loading and warm-up run in the engine thread (GET /ready reports progress).
 """
 
@@ -20,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import routes_misc, routes_openai, routes_tgi
 from server.config import ServerSettings
-from server.errors import ApiError, api_error_handler, error_response, http_exception_handler
+from server.errors import ApiError, error_response, exception_response, http_exception_handler
 from server.routes_common import AppState
 from server.routes_openapi import build_openapi, openapi
 
@@ -52,7 +55,8 @@ def routes() -> list[Route]:
 
 
 class HttpMiddleware:
-    """Counts every response by route template and status, and enforces API keys when configured."""
+    """Counts every response by route template and status, enforces API keys when configured, and answers
+    any exception with that request's error response (never a crash, never a plain-text 500)."""
 
     def __init__(self, app: ASGIApp, state: AppState) -> None:
         self.app = app
@@ -97,6 +101,10 @@ class HttpMiddleware:
             return
         try:
             await self.app(scope, receive, counting_send)
+        except Exception as exc:  # noqa: BLE001 - the catch-all is the point: one request, one error
+            if counted:
+                raise  # the response has started (a stream): nothing can be sent in its place
+            await exception_response(exc, scope.get("path", ""))(scope, receive, counting_send)
         except BaseException:
             if not counted:
                 self._count(scope, 500)
@@ -118,7 +126,7 @@ def create_app(engine: Engine, settings: ServerSettings, metrics: Metrics) -> St
     app = Starlette(
         routes=routes(),
         middleware=[Middleware(HttpMiddleware, state=state)],
-        exception_handlers={HTTPException: http_exception_handler, Exception: api_error_handler},
+        exception_handlers={HTTPException: http_exception_handler},
         lifespan=lifespan,
     )
     app.state.bucketserve = state

@@ -56,6 +56,8 @@ class ServerSettings:
     # "auto": $XDG_CACHE_HOME/bucketserve/compile; "none": no persistent cache.
     compile_cache_dir: str = "auto"
     require_cached_graphs: bool = False
+    # Processes compiling missing graphs at warm-up, this one included; 0 -> the usable cores (at most 4).
+    compile_workers: int = 0
     num_threads: int = 0  # compute threads; 0 -> max(1, usable cores - 1): one core left for HTTP
     api_keys: tuple[str, ...] = ()
     protect_metrics: bool = False
@@ -81,6 +83,8 @@ class ServerSettings:
         _choice("log_format", self.log_format, ("text", "json"))
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, got {self.port}")
+        if self.compile_workers < 0:
+            raise SettingsError(f"compile_workers must be >= 0 (0: one per usable core), got {self.compile_workers}")
         for name in ("max_model_len", "max_waiting_requests", "max_waiting_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
@@ -185,6 +189,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache-dir", default=d.compile_cache_dir,
                         help="persistent compile cache root ('auto': ~/.cache/bucketserve/compile; 'none': off)")
     parser.add_argument("--require-cached-graphs", action="store_true", default=d.require_cached_graphs)
+    parser.add_argument("--compile-workers", type=int, default=d.compile_workers,
+                        help="processes compiling missing graphs at warm-up, this one included (0: one per core, <= 4)")
     parser.add_argument("--num-threads", type=int, default=d.num_threads)
     parser.add_argument("--api-key", dest="api_keys", action="append", default=None, help="repeatable")
     parser.add_argument("--protect-metrics", action="store_true", default=d.protect_metrics)

@@ -1,18 +1,92 @@
-"""Incremental detokenization and stop-string matching for streamed generation.
+"""Incremental detokenization: token ids to text one at a time, for streaming and non-streaming alike.
 
-`IncrementalDetokenizer` turns token ids into text one at a time, holding back tokens whose bytes do
-not yet form complete UTF-8 characters (byte-level BPE splits multi-byte characters across tokens),
-and decodes each token in the context of the few before it so tokenizers that attach spaces to word
-starts (SentencePiece "▁word") keep them. `StopMatcher` releases text only once it can no longer be the
-beginning of a stop string, so a stream never shows text that the final answer truncates.
+Both detokenizers hold back tokens whose bytes do not yet form complete UTF-8 characters (byte-level BPE
+splits multi-byte characters across tokens) and decode each token in the context of the few before it, so
+tokenizers that attach spaces to word starts (SentencePiece "▁word") keep them. Fast tokenizers use the
+`tokenizers` library's own `DecodeStream` (as vLLM does); `IncrementalDetokenizer`, written here, is the
+fallback for slow (pure Python) tokenizers and for tokenizers that post-process decoded text.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import logging
+from typing import Any, Protocol, Sequence
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+log = logging.getLogger("bucketserve.http")
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 5  # prompt tokens decoded with the first generated ones (spacing context)
+
+
+class Detokenizer(Protocol):
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the text it completes (possibly "")."""
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is still held back."""
+
+
+def incremental_detokenizer(tokenizer: Any, prompt_ids: Sequence[int] = (),
+                            skip_special_tokens: bool = True) -> Detokenizer:
+    """`DecodeStream` over the Rust tokenizer when there is one and decoding is plain; else the fallback."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return StreamDetokenizer(backend, prompt_ids, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+
+
+class StreamDetokenizer:
+    """`tokenizers.decoders.DecodeStream`, primed with the end of the prompt. DecodeStream never releases a
+    dangling partial character; `flush` decodes it (as U+FFFD, like a full decode) from the ids it kept back."""
+
+    def __init__(self, backend: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self._backend = backend
+        self._skip = skip_special_tokens
+        self._context = _clean_suffix(backend, list(prompt_ids), skip_special_tokens)
+        self._pending: list[int] = []  # ids since the last released text
+        self._stream = self._primed()
+
+    def _primed(self) -> DecodeStream:
+        stream = DecodeStream(skip_special_tokens=self._skip)
+        for token_id in self._context:
+            stream.step(self._backend, token_id)
+        return stream
+
+    def add(self, token_id: int) -> str:
+        try:
+            text = self._stream.step(self._backend, token_id)
+        except Exception:  # noqa: BLE001 - DecodeStream refuses a non-monotonic decode ("Invalid prefix")
+            log.warning("DecodeStream lost its place; restarting it from the last released tokens")
+            self._stream = self._primed()
+            held = [self._stream.step(self._backend, t) for t in self._pending]
+            text = "".join(h for h in held if h) + (self._stream.step(self._backend, token_id) or "")
+        self._pending.append(token_id)
+        if not text:
+            return ""
+        self._context = (self._context + self._pending)[-CONTEXT_TOKENS:]
+        self._pending = []
+        return str(text)
+
+    def flush(self) -> str:
+        if not self._pending:
+            return ""
+        prefix = self._backend.decode(self._context, skip_special_tokens=self._skip)
+        full = self._backend.decode(self._context + self._pending, skip_special_tokens=self._skip)
+        self._context, self._pending = (self._context + self._pending)[-CONTEXT_TOKENS:], []
+        return full[len(prefix):] if len(full) > len(prefix) else ""
+
+
+def _clean_suffix(backend: Tokenizer, prompt_ids: list[int], skip: bool) -> list[int]:
+    """The last few prompt ids, cut so that they decode to whole characters: a prompt ending inside a
+    character would otherwise leak its partial bytes into the first generated text."""
+    for n in range(min(CONTEXT_TOKENS, len(prompt_ids)), 0, -1):
+        suffix = prompt_ids[-n:]
+        if REPLACEMENT not in backend.decode(suffix, skip_special_tokens=skip):
+            return suffix
+    return []
 
 
 class IncrementalDetokenizer:
@@ -47,70 +121,3 @@ class IncrementalDetokenizer:
         self._ids = self._ids[self._read :]
         self._prefix, self._read = 0, len(self._ids)
         return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
-
-
-class StopMatcher:
-    """Finds stop strings in generated text.
-
-    hold_back=True (OpenAI semantics): text that could start a stop string is withheld until
-    disambiguated; on a match the output ends right before the stop string.
-    hold_back=False (TGI semantics): text flows through unchanged and the output keeps the stop sequence.
-    """
-
-    def __init__(self, stops: Sequence[str], hold_back: bool = True) -> None:
-        self.stops = [s for s in stops if s]
-        self.hold_back = hold_back
-        self._longest = max((len(s) for s in self.stops), default=0)
-        self._text = ""
-        self._sent = 0
-        self.matched: str | None = None
-
-    @property
-    def text(self) -> str:
-        """All text released so far (the final answer once finished)."""
-        return self._text[: self._sent]
-
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Add generated text; returns (text safe to release now, whether a stop string matched)."""
-        if self.matched is not None:
-            return "", True
-        self._text += delta
-        if not self.stops:
-            return self._release(len(self._text)), False
-        start = max(0, self._sent - self._longest + 1)
-        best: tuple[int, str] | None = None
-        for stop in self.stops:
-            idx = self._text.find(stop, start)
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is not None:
-            self.matched = best[1]
-            if self.hold_back:
-                end = max(best[0], self._sent)
-                out = self._release(end)
-                self._text = self._text[:end]
-                return out, True
-            return self._release(len(self._text)), True
-        if not self.hold_back:
-            return self._release(len(self._text)), False
-        return self._release(len(self._text) - self._partial_suffix()), False
-
-    def flush(self) -> str:
-        """Generation ended without a match: release the held-back tail."""
-        if self.matched is not None:
-            return ""
-        return self._release(len(self._text))
-
-    def _release(self, end: int) -> str:
-        out = self._text[self._sent : end]
-        self._sent = max(self._sent, end)
-        return out
-
-    def _partial_suffix(self) -> int:
-        """Length of the longest unreleased suffix that is a proper prefix of some stop string."""
-        pending = len(self._text) - self._sent
-        for k in range(min(self._longest - 1, pending), 0, -1):
-            tail = self._text[-k:]
-            if any(stop.startswith(tail) for stop in self.stops):
-                return k
-        return 0

@@ -19,6 +19,7 @@ from buckets import PromptTooLongError
 from buckets.scheduler import ChunkStep, PrefillStep, Scheduler, Sequence, Step
 from buckets.scheduler import QueueFullError as _SchedulerQueueFull
 from models.mesh import MeshError
+from models.runner import WarmupCancelled
 from models.sampling import SampledToken, SamplingParams
 from server.engine_model import CacheMissingError, EngineModel
 from server.hooks import SafeHooks
@@ -60,6 +61,7 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.model_name = model.name
         self.eos_token_ids = model.eos_token_ids
+        self.vocab_limit = model.vocab_limit  # the one bound on client token ids (HTTP checks against it too)
         self.metrics = SafeHooks(metrics)
         self.request_timeout = request_timeout
         self.log_prompts = log_prompts
@@ -85,9 +87,18 @@ class Engine:
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
+        warming = not self.model.is_ready
+        self.model.cancel_warmup()
         if self._thread is not None:
-            self._thread.join(timeout)
+            # A compile in progress cannot be interrupted: during warm-up, do not wait it out (the caller
+            # exits the process; see `thread_busy`).
+            self._thread.join(min(timeout, 2.0) if warming else timeout)
         self.abort_all("drain")
+
+    @property
+    def thread_busy(self) -> bool:
+        """The engine thread outlived stop(): it is inside a compile that cannot be interrupted."""
+        return self._thread is not None and self._thread.is_alive()
 
     def begin_drain(self) -> None:
         self._draining = True
@@ -148,15 +159,20 @@ class Engine:
 
     # -- requests (event-loop side) --------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
-        limit = self.model.vocab_limit
-        for token in prompt_ids:
-            if not 0 <= token < limit:
-                raise InvalidTokenError(token, limit)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        seq = Sequence(rid, len(prompt_ids), params.max_tokens, stop_ids)
+        return self.submit_many([prompt_ids], [params], [request_id or f"req-{uuid.uuid4().hex[:16]}"])[0]
+
+    def submit_many(self, prompts: list[list[int]], params: list[SamplingParams],
+                    request_ids: list[str]) -> list[RequestHandle]:
+        """Admit several sequences (the n choices of one request) atomically: all are queued, or none is
+        and the refusal propagates. Each is checked against the bucket table once (Scheduler.add_many)."""
+        limit = self.vocab_limit
+        for prompt_ids in prompts:
+            for token in prompt_ids:
+                if not 0 <= token < limit:
+                    raise InvalidTokenError(token, limit)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
+        deadline = now + self.request_timeout if self.request_timeout > 0 else float("inf")
         with self._wake:
             # Checked under the lock: a failing engine clears _active under it, so no request slips in after.
             if self._failed is not None or self._stopping or (self._thread is not None and not self._thread.is_alive()):
@@ -165,17 +181,25 @@ class Engine:
                 raise DrainingError(self.retry_after())
             if not self.model.is_ready:
                 raise EngineNotReadyError(max(1.0, self.model.progress.eta()))
-            if rid in self._active:
-                raise ValueError(f"request id {rid!r} is already in use")
+            if len(set(request_ids)) < len(request_ids) or any(rid in self._active for rid in request_ids):
+                raise ValueError(f"request ids {request_ids!r} are already in use")
+            seqs = [Sequence(rid, len(prompt_ids), p.max_tokens,
+                             frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids))
+                    for prompt_ids, p, rid in zip(prompts, params, request_ids, strict=True)]
+            samplers = [self.model.sampler(p, prompt_ids) for prompt_ids, p in zip(prompts, params)]
             try:
-                self._scheduler.add(seq)
-            except _SchedulerQueueFull as exc:
-                raise QueueFullError(exc.reason, self.retry_after()) from exc
-            handle = RequestHandle(rid, len(prompt_ids), seq.bucket, seq.bucket - len(prompt_ids), loop, self.abort)
-            deadline = now + self.request_timeout if self.request_timeout > 0 else float("inf")
-            self._active[rid] = ActiveRequest(handle, seq, self.model.sampler(params, prompt_ids), prompt_ids, now, deadline)
+                self._scheduler.add_many(seqs)  # all or none
+            except QueueFullError as exc:
+                exc.retry_after = self.retry_after()
+                raise
+            handles = []
+            for prompt_ids, sampler, seq in zip(prompts, samplers, seqs):
+                handle = RequestHandle(seq.request_id, len(prompt_ids), seq.bucket, seq.bucket - len(prompt_ids),
+                                       loop, self.abort)
+                self._active[seq.request_id] = ActiveRequest(handle, seq, sampler, prompt_ids, now, deadline)
+                handles.append(handle)
             self._wake.notify_all()
-        return handle
+        return handles
 
     def abort(self, request_id: str, reason: str = "client", message: str | None = None) -> None:
         """Thread-safe; frees the slot before the next step. The stream ends with finish_reason 'abort'."""
@@ -192,6 +216,9 @@ class Engine:
     def _main(self) -> None:
         try:
             self.model.load_and_warm()
+        except WarmupCancelled:
+            log.info("warm-up cancelled: shutting down")
+            return
         except CacheMissingError as exc:
             # Alive but never ready: /health 200, /ready 503 with the reason, until stopped.
             log.error("%s", exc)

@@ -18,8 +18,9 @@ import torch
 
 from buckets import BucketTable, GraphKey
 from buckets.scheduler import ChunkStep, PrefillStep, Sequence, Step
-from models.hardware import resolve_dtype, resolve_num_threads
-from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key
+from models.graph_builder import BuildSpec, ProcessBuilder
+from models.hardware import resolve_compile_workers, resolve_dtype, resolve_num_threads
+from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key, prewarm_inductor
 from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
 from models.mesh import MeshSpec
 from models.runner import ModelRunner, PrefillRow
@@ -71,16 +72,20 @@ class EngineModel:
         self.name = settings.served_model_name or model_display_name(model_path)
         self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        # Rows of the embedding table: an id past it would fail the whole step it is batched into.
-        self.vocab_limit = int(getattr(text_config, "vocab_size", 0) or len(self.tokenizer))
+        # Rows of the embedding table (an id past it would fail the whole step it is batched into), and no
+        # more than the tokenizer can decode: the one limit on client token ids, HTTP and engine alike.
+        self.vocab_limit = min(int(getattr(text_config, "vocab_size", 0) or len(self.tokenizer)), len(self.tokenizer))
         self.progress = WarmupCounter(self.table.num_graphs)
         self.runner: ModelRunner | None = None
         self._decode_tokens = torch.zeros(self.table.max_batch, dtype=torch.long)  # host input buffers
         self._decode_positions = torch.zeros(self.table.max_batch, dtype=torch.long)
-        self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused)
+        self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused,
+                                            on_rejected=self._on_rejected)
         self._ready = threading.Event()
         self.mesh_spec = mesh_spec
         self.mesh = EngineMesh(mesh_spec) if mesh_spec is not None else None  # tensor parallel
+        self._cancel = threading.Event()  # set by the engine's stop: a warm-up in progress ends early
+        self._builder: ProcessBuilder | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -94,18 +99,33 @@ class EngineModel:
         """Load weights and warm `keys` (default: every graph of the table)."""
         s = self.settings
         torch.set_num_threads(self.num_threads)
+        prewarm = prewarm_inductor(self.compile_cache_dir()) if s.compile_backend == "inductor" else None
         compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
                                            s.inductor_freezing)
-        self.runner = self.build_runner(compile_settings)
+        self.runner = self.build_runner(compile_settings, prewarm)
         log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, context %d: "
                  "%d graphs", list(self.table.lengths), list(self.table.batch_sizes),
                  list(self.table.prefill_batch_sizes), list(self.table.kv_lengths), self.table.context_length,
                  self.runner.num_graphs)
+        store = self.runner.store
+        if s.require_cached_graphs and store is not None:
+            # Fail before compiling anything: every graph must have its saved artifact.
+            missing = [str(k) for k in (keys or self.runner.keys) if not store.has(k)]
+            if missing:
+                raise CacheMissingError(f"{len(missing)} graphs were not in the compile cache: {', '.join(missing)}")
         self.metrics.warmup_progress(0, self.table.num_graphs)
         self.progress.started = time.monotonic()
         if keys is not None:
             self.progress.total = len(keys)
-        seconds = self.runner.warmup(keys, progress=self._on_warm)
+        # Builders only help a cold start of saved graphs (inductor without freezing, with a cache directory).
+        # Builders only help a cold start of saved graphs; a tensor-parallel rank's graphs need the mesh: none.
+        builders = resolve_compile_workers(s.compile_workers) - 1 if self.runner.store is not None and \
+            self.mesh is None else 0
+        spec = BuildSpec(self.path, self.dtype, s.device, self.table, compile_settings, self.num_threads)
+        with ProcessBuilder(spec, builders) as builder:
+            self._builder = builder
+            seconds = self.runner.warmup(keys, progress=self._on_warm, builder=builder,
+                                         cancelled=self._cancel.is_set)
         self.progress.finished = time.monotonic()
         log.info("warm-up done: %d graphs in %.1f s, %d compilations", self.progress.done, seconds,
                  self.accountant.count())
@@ -123,7 +143,7 @@ class EngineModel:
         self.metrics.set_ready(True)
         self._ready.set()
 
-    def build_runner(self, compile_settings: CompileSettings | None = None) -> ModelRunner:
+    def build_runner(self, compile_settings: CompileSettings | None = None, prewarm: Any = None) -> ModelRunner:
         """Load the weights (under tensor parallelism: join the mesh, load this rank's shard) and the runner."""
         s = self.settings
         if compile_settings is None:
@@ -132,6 +152,8 @@ class EngineModel:
         torch.set_num_threads(self.num_threads)
         t0 = time.monotonic()
         model = self.mesh.load(self.path, self.dtype) if self.mesh else load_model(self.path, self.dtype, s.device)
+        if prewarm is not None:
+            prewarm.join()
         log.info("loaded %s (%s, %s, %d compute threads%s) in %.1f s", self.name, self.dtype, s.device,
                  self.num_threads, self.mesh.note if self.mesh else "", time.monotonic() - t0)
         return rank_runner(model, self.table, compile_settings, self.accountant, self.mesh.mesh if self.mesh else None)
@@ -159,8 +181,8 @@ class EngineModel:
                  "dtype": self.dtype, "device": self.settings.device,
                  "backend": self.settings.compile_backend, "freezing": self.settings.inductor_freezing,
                  "buckets": self.table.to_dict(), "threads": self.num_threads}
-        if self.settings.tensor_parallel_size > 1:  # each rank compiles graphs over its shard
-            parts["tensor_parallel_size"] = self.settings.tensor_parallel_size
+        if self.mesh_spec is not None:  # each rank compiles graphs over its own shard
+            parts["tensor_parallel"] = [self.mesh_spec.tp_size, self.mesh_spec.rank]
         return os.path.join(root, cache_key(parts))
 
     def run_step(self, step: Step, prompt_of: Callable[[str], list[int]]) -> StepLogits:
@@ -203,6 +225,14 @@ class EngineModel:
         assert self.runner is not None
         return sample_step(self.runner, seqs, samplers, out)
 
+    def cancel_warmup(self) -> None:
+        """From the stopping thread: the warm-up ends before its next graph, and builder processes now
+        (the process could not exit while they run: Python joins its process pools at exit)."""
+        self._cancel.set()
+        builder = self._builder
+        if builder is not None:
+            builder.close(abandon=True)
+
     def close(self) -> None:
         if self.runner is not None:
             self.runner.stop_serving()
@@ -222,6 +252,9 @@ class EngineModel:
 
     def _on_refused(self, key: Any, reason: str) -> None:
         self.metrics.recompiled(reason)
+
+    def _on_rejected(self, key: Any, reason: str) -> None:
+        self.metrics.artifact_rejected(reason.split(":")[0])
 
     def _on_compile(self, record: CompileRecord) -> None:
         if record.key is None:

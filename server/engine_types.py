@@ -1,19 +1,42 @@
-"""The records and errors that cross between the engine thread and the event loop."""
+"""The records and errors that cross between the engine thread and the event loop. Pure Python (no torch):
+the HTTP layer imports them without loading the model stack."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, AsyncIterator, Callable
 
+from buckets.scheduler import QueueFullError
 
-class QueueFullError(RuntimeError):
-    """Admission refused (429): the waiting queue is at its request or token limit."""
+__all__ = ["DrainingError", "EngineDeadError", "EngineNotReadyError", "FinishReason", "InvalidTokenError",
+           "QueueFullError", "RequestHandle", "TokenEvent", "WarmupProgress", "deliver_step"]
 
-    def __init__(self, reason: str, retry_after: float) -> None:
-        self.reason = reason
-        self.retry_after = retry_after
-        super().__init__(f"server busy: too many waiting {reason}; retry after {retry_after:.0f} s")
+
+class FinishReason(StrEnum):
+    """Why a sequence ended. The engine reports the first four; the HTTP layer adds STOP_STRING when it
+    matched a stop string. A StrEnum, so the engine's plain strings compare equal to the members."""
+
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+    STOP_STRING = "stop_string"
+
+    @property
+    def openai(self) -> str:
+        """OpenAI's spelling: a stop string is a plain "stop"."""
+        return "stop" if self is FinishReason.STOP_STRING else self.value
+
+    @property
+    def tgi(self) -> str | None:
+        """TGI's spelling; None for the endings TGI reports as an error (abort, error)."""
+        return _TGI_FINISH.get(self)
+
+
+_TGI_FINISH = {FinishReason.STOP: "eos_token", FinishReason.STOP_STRING: "stop_sequence",
+               FinishReason.LENGTH: "length"}
 
 
 class EngineNotReadyError(RuntimeError):

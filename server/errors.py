@@ -2,8 +2,8 @@
 
 One table (`ERROR_TABLE`) maps the domain exceptions the engine and the sampling code raise onto
 (status, type, code); `ApiError` carries errors the HTTP layer finds itself (bad JSON, bad fields).
-Nothing a client sends may become a 500: the handlers here turn every exception into one response for
-that request only.
+Nothing a client sends may become a 500: `app.HttpMiddleware` turns every exception into one response
+for that request only, through `to_api_error` here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from buckets import BucketError, PromptTooLongError
-from models.sampling import SamplingError
-from server.engine import DrainingError, EngineDeadError, EngineNotReadyError, InvalidTokenError, QueueFullError
+from models.params import SamplingError
+from server.engine_types import DrainingError, EngineDeadError, EngineNotReadyError, InvalidTokenError, QueueFullError
+from server.limits import TGI_PATHS
 
 log = logging.getLogger("bucketserve.http")
 
@@ -157,5 +158,6 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
     return error_response(err)
 
 
-async def api_error_handler(request: Request, exc: Exception) -> Response:
-    return error_response(to_api_error(exc), tgi=request.url.path in ("/", "/generate", "/generate_stream"))
+def exception_response(exc: Exception, path: str) -> JSONResponse:
+    """The one response for an exception raised while serving `path` (TGI routes add `error_type`)."""
+    return error_response(to_api_error(exc), tgi=path in TGI_PATHS)

@@ -18,7 +18,9 @@ from typing import Iterable, TypeVar
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from buckets import BucketTable, GraphKey
-from server.metrics_config import ABORT_REASONS, COMPILE_PHASES, FINISH_REASONS, RECOMPILE_REASONS, REJECT_REASONS
+from server.metrics_config import (
+    ABORT_REASONS, ARTIFACT_REJECT_REASONS, COMPILE_PHASES, FINISH_REASONS, RECOMPILE_REASONS, REJECT_REASONS,
+)
 from server.metrics_config import MetricsConfig, MetricsConfigError, info_labels, prompt_length_edges
 
 __all__ = ["Metrics", "MetricsConfig", "MetricsConfigError", "prompt_length_edges"]
@@ -106,6 +108,9 @@ class Metrics:
                               ("rank", "phase"), registry=registry)
         self._rank_compiles = {(r, ph): rank_compiles.labels(str(r), ph)
                                for r in range(world_size) for ph in COMPILE_PHASES}
+        rejected = counter("compile_artifacts_rejected_total",
+                           "Saved graph artifacts found unusable at warm-up and rebuilt, by reason.", ("reason",))
+        self._rejected = {r: rejected.labels(r) for r in ARTIFACT_REJECT_REASONS}
 
         # -- shapes --------------------------------------------------------------------------------
         bucket_requests = counter("bucket_requests_total", "Admitted requests per length bucket.", ("bucket",))
@@ -195,6 +200,9 @@ class Metrics:
 
     def set_ready(self, ready: bool) -> None:
         self._ready.set(1 if ready else 0)
+
+    def artifact_rejected(self, reason: str) -> None:
+        _pick(self._rejected, reason, "artifact reject reason").inc()
 
     def compile_cache(self, hit: bool) -> None:
         (self._cache_hits if hit else self._cache_misses).inc()

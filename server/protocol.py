@@ -1,5 +1,6 @@
-"""Shared request plumbing: the strict pydantic base model, the size-limited JSON body reader, and the
-small /tokenize and /detokenize models. OpenAI and TGI models live in protocol_openai / protocol_tgi.
+"""Shared request plumbing: the strict pydantic base model, the sampling fields OpenAI and TGI share (and
+their one mapping onto SamplingParams), the size-limited JSON body reader, and the small /tokenize and
+/detokenize models. OpenAI and TGI models live in protocol_openai / protocol_tgi; their bounds in limits.
 
 Policy: every request model forbids unknown fields (a 400 naming them), is strict about types (no
 "1" for 1, no true for 1), and rejects non-finite floats (JSON `NaN` / `Infinity` / 1e999).
@@ -13,17 +14,53 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 
+from models.params import SamplingParams
 from server.errors import ApiError
+from server.limits import (
+    SEED_MAX, MinP, Penalty, RepetitionPenalty, Seed, StopTokenIds, Temperature, TokenId, TopP,
+)
 
 M = TypeVar("M", bound="StrictModel")
-
-SEED_MAX = 2**63 - 1
-Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
-TokenId = Annotated[int, Field(ge=0)]
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class SamplingKnobs(StrictModel):
+    """The sampling fields OpenAI and TGI spell alike, and the one mapping onto SamplingParams."""
+
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off (vLLM uses -1)
+    min_p: MinP | None = None
+    seed: Seed | None = None
+    stop_token_ids: StopTokenIds | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    ignore_eos: bool | None = False
+
+    def to_params(self, max_tokens: int, logprobs: int | None, *, greedy: bool = False,
+                  index: int = 0) -> SamplingParams:
+        """SamplingParams for choice `index` (seed, seed+1, ... so n choices differ but stay reproducible);
+        `greedy` forces temperature 0 (TGI without do_sample or any sampling knob)."""
+        seed = None if self.seed is None else (self.seed + index) % (SEED_MAX + 1)
+        temperature = 1.0 if self.temperature is None else self.temperature
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),
+            min_p=self.min_p or 0.0,
+            seed=seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logprobs=logprobs,
+        )
 
 
 class TextPart(StrictModel):

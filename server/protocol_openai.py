@@ -1,4 +1,4 @@
-"""Request models for /v1/completions and /v1/chat/completions, and their mapping onto SamplingParams.
+"""Request models for /v1/completions and /v1/chat/completions.
 
 Parameters this server cannot honour are rejected with a 400 naming them (never silently ignored);
 `user` is the one documented no-op.
@@ -10,11 +10,9 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 
-from models.sampling import SamplingParams
 from server.errors import bad_param, unsupported
-from server.protocol import SEED_MAX, ChatMessage, Seed, StrictModel, TokenId
-
-LOGPROBS_MAX = 20  # SamplingParams' own bound; keeps the top-k gather small
+from server.limits import MAX_N, MaxTokens, TokenId, TopLogprobs, check_stops
+from server.protocol import ChatMessage, SamplingKnobs, StrictModel
 
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
@@ -23,28 +21,12 @@ class StreamOptions(StrictModel):
     include_usage: bool | None = False
 
 
-MAX_N = 128
-MAX_STOPS = 16
-MAX_STOP_LENGTH = 256
-MAX_STOP_TOKEN_IDS = 64
-
-
-class SamplingFields(StrictModel):
-    """Sampling parameters shared by both OpenAI endpoints (plus the vLLM extensions)."""
+class SamplingFields(SamplingKnobs):
+    """What both OpenAI endpoints share beyond the sampling knobs (plus the vLLM extensions)."""
 
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off (vLLM uses -1)
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    ignore_eos: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored
@@ -52,13 +34,7 @@ class SamplingFields(StrictModel):
     @field_validator("stop")
     @classmethod
     def _bounded_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        # Stop strings are matched per token on the event loop: bound their number and length
-        # (OpenAI itself allows 4).
-        stops = [value] if isinstance(value, str) else (value or [])
-        if len(stops) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
-        if any(len(stop) > MAX_STOP_LENGTH for stop in stops):
-            raise ValueError(f"a stop sequence may have at most {MAX_STOP_LENGTH} characters")
+        check_stops([value] if isinstance(value, str) else (value or []))
         return value
 
     def stop_strings(self) -> list[str]:
@@ -76,29 +52,11 @@ class SamplingFields(StrictModel):
     def num_choices(self) -> int:
         return self.n or 1
 
-    def to_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
-        """SamplingParams for choice `index` (seed, seed+1, ... so n choices differ but stay reproducible)."""
-        seed = None if self.seed is None else (self.seed + index) % (SEED_MAX + 1)
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(0, self.top_k or 0),
-            min_p=self.min_p or 0.0,
-            seed=seed,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=bool(self.ignore_eos),
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logprobs=logprobs,
-        )
-
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=LOGPROBS_MAX)] | None = None
+    max_tokens: MaxTokens | None = None
+    logprobs: TopLogprobs | None = None
     echo: bool | None = False
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
@@ -134,10 +92,10 @@ class CompletionRequest(SamplingFields):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=LOGPROBS_MAX)] | None = None
+    top_logprobs: TopLogprobs | None = None
     logit_bias: dict[str, float] | list[float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None

@@ -9,40 +9,36 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from models.sampling import SamplingParams
+from models.params import SamplingParams
 from server.errors import bad_param, unsupported
-from server.protocol import Seed, StrictModel
-from server.protocol_openai import LOGPROBS_MAX
-
-DEFAULT_MAX_NEW_TOKENS = 20  # the TGI client's own default
+from server.limits import DEFAULT_MAX_NEW_TOKENS, MaxTokens, TokenId, TopLogprobs, check_stops
+from server.protocol import SamplingKnobs, StrictModel
 
 
-class TgiParameters(StrictModel):
+class TgiParameters(SamplingKnobs):
+    top_k: Annotated[int, Field(ge=0)] | None = None  # TGI has no -1 spelling of "off"
+    stop_token_ids: list[TokenId] | None = None  # a bucketserve extension, unbounded as it always was
     do_sample: bool | None = False
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    max_new_tokens: MaxTokens | None = None
     return_full_text: bool | None = False
-    stop: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] | None = None
-    seed: Seed | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    stop: list[str] | None = None
     truncate: Annotated[int, Field(ge=1)] | None = None
     typical_p: Annotated[float, Field(gt=0, le=1)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
     watermark: bool | None = False
     details: bool | None = False
     decoder_input_details: bool | None = False
-    top_n_tokens: Annotated[int, Field(ge=0, le=LOGPROBS_MAX)] | None = None
+    top_n_tokens: TopLogprobs | None = None
     grammar: dict[str, Any] | None = None
     adapter_id: str | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    ignore_eos: bool | None = False
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, value: list[str] | None) -> list[str] | None:
+        check_stops(value or [])
+        return value
 
     def check_supported(self) -> None:
         if self.typical_p is not None and self.typical_p != 1.0:
@@ -64,23 +60,10 @@ class TgiParameters(StrictModel):
         knobs = (self.temperature, self.top_k, self.top_p, self.min_p)
         return bool(self.do_sample) or any(k is not None for k in knobs)
 
-    def to_params(self) -> SamplingParams:
-        sample = self.sampling()
+    def params(self) -> SamplingParams:
         wants_logprobs = self.details or self.top_n_tokens
-        return SamplingParams(
-            max_tokens=self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-            temperature=(1.0 if self.temperature is None else self.temperature) if sample else 0.0,
-            top_p=self.top_p or 1.0,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            seed=self.seed,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=bool(self.ignore_eos),
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logprobs=(self.top_n_tokens or 0) if wants_logprobs else None,
-        )
+        return self.to_params(self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                              (self.top_n_tokens or 0) if wants_logprobs else None, greedy=not self.sampling())
 
 
 class TgiRequest(StrictModel):

@@ -1,32 +1,26 @@
-"""What every generation route shares: the app state, the error-catching endpoint wrapper, prompt
-tokenization and validation, submission of one or many sequences, and the bucket headers."""
+"""What every route shares: the app state, prompt tokenization and token-id checks, and the guarded
+metrics call."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from starlette.requests import Request
-from starlette.responses import Response
 
 from buckets import PromptTooLongError
-from models.sampling import SamplingParams
 from server.config import ServerSettings
-from server.engine import DrainingError, EngineNotReadyError, QueueFullError
-from server.errors import ApiError, bad_param, error_response, to_api_error
+from server.errors import ApiError, bad_param
 
 if TYPE_CHECKING:
-    from server.engine import Engine, RequestHandle
+    from server.engine import Engine
     from server.metrics import Metrics
 
 log = logging.getLogger("bucketserve.http")
-Endpoint = Callable[[Request], Awaitable[Response]]
-TGI_PATHS = ("/", "/generate", "/generate_stream")
 MODEL_ALIASES = ("tgi",)  # the text-generation client's chat() hard-codes model="tgi"
 
 
@@ -57,30 +51,15 @@ def state_of(request: Request) -> AppState:
     return state
 
 
-def endpoint(fn: Endpoint) -> Endpoint:
-    """Every exception inside one request becomes that request's error response (never a crash)."""
-
-    @functools.wraps(fn)
-    async def wrapper(request: Request) -> Response:
-        try:
-            return await fn(request)
-        except Exception as exc:  # noqa: BLE001 - the catch-all is the point: one request, one error
-            return error_response(to_api_error(exc), tgi=request.url.path in TGI_PATHS)
-
-    return wrapper
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 # -- tokenization -----------------------------------------------------------------------------------
-def vocab_size(tokenizer: Any) -> int:
-    return int(len(tokenizer))
-
-
-def check_ids(tokenizer: Any, ids: Sequence[int], param: str) -> None:
-    limit = vocab_size(tokenizer)
+def check_ids(state: AppState, ids: Sequence[int], param: str) -> None:
+    """Token ids a client sent, against the engine's one vocabulary limit (ids the model can embed and
+    the tokenizer can decode); the 400 names the parameter."""
+    limit = state.engine.vocab_limit
     for t in ids:
         if not 0 <= t < limit:
             raise bad_param(param, f"token id {t} is outside the vocabulary [0, {limit})")
@@ -108,18 +87,17 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     return [int(t) for t in ids]
 
 
-def prompt_ids(tokenizer: Any, prompt: str | list[int], param: str = "prompt") -> list[int]:
+def prompt_ids(state: AppState, prompt: str | list[int], param: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
-        ids = encode_text(tokenizer, prompt)
+        ids = encode_text(state.tokenizer, prompt)
     else:
         ids = list(prompt)
-        check_ids(tokenizer, ids, param)
+        check_ids(state, ids, param)
     if not ids:
         raise bad_param(param, "is empty after tokenization")
     return ids
 
 
-# -- submission -------------------------------------------------------------------------------------
 def default_max_tokens(state: AppState, prompt_len: int) -> int:
     """All the room the context leaves (vLLM's chat default); a prompt that fills it is too long."""
     state.engine.table.length_for(prompt_len)  # a prompt over the largest bucket is reported as such
@@ -129,60 +107,9 @@ def default_max_tokens(state: AppState, prompt_len: int) -> int:
     return room
 
 
-def submit_all(
-    state: AppState, prompts: Sequence[list[int]], params: Sequence[SamplingParams], request_id: str
-) -> list[RequestHandle]:
-    """Submit one sequence per (prompt, params); all or nothing: on any refusal the ones already
-    admitted are aborted and the error propagates (mapped by errors.ERROR_TABLE)."""
-    limit = state.settings.max_waiting_requests
-    if len(prompts) > limit:
-        raise bad_param("n", f"this request asks for {len(prompts)} sequences; the limit is {limit}")
-    table = state.engine.table
-    try:
-        for ids, p in zip(prompts, params):  # check everything before anything is queued
-            check_ids(state.tokenizer, p.stop_token_ids, "stop_token_ids")
-            table.check_request(len(ids), p.max_tokens)
-    except PromptTooLongError:
-        count(state.metrics.request_over_limit)
-        raise
-    handles: list[RequestHandle] = []
-    try:
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            handles.append(state.engine.submit(ids, p, request_id=f"{request_id}-{i}"))
-    except BaseException as exc:
-        for h in handles:
-            h.abort("client")
-        _count_rejection(state, exc)
-        raise
-    for h in handles:
-        count(state.metrics.request_admitted, h.bucket, h.prompt_tokens)
-    return handles
-
-
 def count(hook: Callable[..., None], *args: Any) -> None:
     """Call a metrics hook; a metrics bug is logged, never turned into a failed (and leaked) request."""
     try:
         hook(*args)
     except Exception:  # noqa: BLE001
         log.exception("metrics hook %s failed", getattr(hook, "__name__", hook))
-
-
-def _count_rejection(state: AppState, exc: BaseException) -> None:
-    m = state.metrics
-    if isinstance(exc, PromptTooLongError):
-        count(m.request_over_limit)
-    elif isinstance(exc, QueueFullError):
-        count(m.request_rejected, "queue_full")
-    elif isinstance(exc, EngineNotReadyError):
-        count(m.request_rejected, "not_ready")
-    elif isinstance(exc, DrainingError):
-        count(m.request_rejected, "draining")
-
-
-def bucket_headers(handles: Sequence[RequestHandle]) -> dict[str, str]:
-    """x-bucket: the largest length bucket any sequence used; x-padded-tokens: pad tokens summed over
-    every sequence of the request (see docs/http.md)."""
-    return {
-        "x-bucket": str(max(h.bucket for h in handles)),
-        "x-padded-tokens": str(sum(h.padded_tokens for h in handles)),
-    }

@@ -9,10 +9,9 @@ from starlette.responses import JSONResponse, Response
 
 from server.errors import UNAVAILABLE, ApiError, error_response
 from server.protocol import DetokenizeRequest, TokenizeRequest, parse
-from server.routes_common import AppState, check_ids, encode_text, endpoint, render_chat, state_of
+from server.routes_common import AppState, check_ids, encode_text, render_chat, state_of
 
 
-@endpoint
 async def health(request: Request) -> Response:
     """Liveness: the engine thread is running (it may still be warming up)."""
     state = state_of(request)
@@ -24,7 +23,6 @@ async def health(request: Request) -> Response:
                                    code="engine_dead"))
 
 
-@endpoint
 async def ready(request: Request) -> Response:
     """Readiness: 200 once every graph is warm and the server is not draining; 503 with progress before."""
     state = state_of(request)
@@ -52,7 +50,6 @@ async def ready(request: Request) -> Response:
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"} if code != "engine_failed" else {})
 
 
-@endpoint
 async def metrics(request: Request) -> Response:
     payload, content_type = state_of(request).metrics.render()
     return Response(payload, headers={"content-type": content_type})
@@ -63,19 +60,16 @@ def _model_card(state: AppState) -> dict[str, Any]:
             "max_model_len": state.engine.table.context_length}
 
 
-@endpoint
 async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [_model_card(state_of(request))]})
 
 
-@endpoint
 async def model(request: Request) -> Response:
     state = state_of(request)
     state.check_model(request.path_params["model"])
     return JSONResponse(_model_card(state))
 
 
-@endpoint
 async def tokenize(request: Request) -> Response:
     state = state_of(request)
     req = await parse(request, TokenizeRequest, state.body_limit)
@@ -92,10 +86,9 @@ async def tokenize(request: Request) -> Response:
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.table.context_length})
 
 
-@endpoint
 async def detokenize(request: Request) -> Response:
     state = state_of(request)
     req = await parse(request, DetokenizeRequest, state.body_limit)
     state.check_model(req.model)
-    check_ids(state.tokenizer, req.tokens, "tokens")
+    check_ids(state, req.tokens, "tokens")
     return JSONResponse({"prompt": str(state.tokenizer.decode(req.tokens))})

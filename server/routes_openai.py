@@ -1,67 +1,132 @@
-"""POST /v1/completions and POST /v1/chat/completions (OpenAI wire format, streaming and not)."""
+"""POST /v1/completions and POST /v1/chat/completions (OpenAI wire format, streaming and not).
+
+Each route validates and tokenizes its request, admits it (server.admission) and hands the generation to
+the shared output path (server.output) with its `OutputFormat`: `CompletionFormat` or `ChatFormat`.
+"""
 
 from __future__ import annotations
 
-import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, Iterable, Sequence
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
+from server.admission import Generation, admit
 from server.errors import ApiError
+from server.engine_types import FinishReason
+from server.limits import DEFAULT_COMPLETION_TOKENS
+from server.output import stream_response, whole_response
 from server.protocol import parse
 from server.protocol_openai import ChatCompletionRequest, CompletionRequest, SamplingFields
-from server.routes_common import (
-    AppState, bucket_headers, default_max_tokens, endpoint, new_id, prompt_ids, render_chat, state_of, submit_all,
-)
-from server.routes_runs import STOP_STRING, EventStream, RunResult, SequenceRun, Step, collect_all, merge, sse
+from server.routes_common import AppState, default_max_tokens, new_id, prompt_ids, render_chat, state_of
+from server.routes_runs import RunResult, TextDelta, sse
 
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 FINGERPRINT = "bucketserve"
-FINISH = {"stop": "stop", STOP_STRING: "stop", "length": "length", "abort": "abort"}
-
-
-class _Job:
-    """One OpenAI request after validation and submission: its runs, ids and response framing."""
-
-    def __init__(self, state: AppState, req: SamplingFields, kind: str, prompts: list[list[int]],
-                 max_tokens: int, logprobs: int | None) -> None:
-        self.state, self.req, self.kind = state, req, kind
-        self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
-        self.object = "chat.completion" if kind == "chat" else "text_completion"
-        self.created = int(time.time())
-        self.prompt_tokens = sum(len(p) for p in prompts)
-        n = req.num_choices()
-        stops = req.stop_strings()
-        seq_prompts = [p for p in prompts for _ in range(n)]
-        params = [req.to_params(max_tokens, logprobs, j) for _ in prompts for j in range(n)]
-        self.include_usage = req.include_usage()
-        self.handles = submit_all(state, seq_prompts, params, self.id)
-        tok = state.tokenizer
-        self.runs = [SequenceRun(h, tok, p, stops) for h, p in zip(self.handles, seq_prompts)]
-        self.headers = bucket_headers(self.handles)
-
-    def usage(self, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
-
-    def envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
-        obj = self.object + (".chunk" if stream and self.kind == "chat" else "")
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name,
-                "system_fingerprint": FINGERPRINT, "choices": choices}
-
-    def abort_all(self) -> None:
-        for r in self.runs:
-            r.abort("client")
+DONE = b"data: [DONE]\n\n"
 
 
 def _token_text(tok: Any, token_id: int) -> str:
     return str(tok.decode([token_id], skip_special_tokens=False))
 
 
-def _completion_logprobs(tok: Any, steps: Sequence[Step], offset: int) -> dict[str, Any]:
+class OpenAIFormat:
+    """What completions and chat share: ids, envelope, usage, error events; subclasses spell a choice."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, state: AppState, gen: Generation, prompt_tokens: int, include_usage: bool,
+                 logprobs: bool) -> None:
+        self.state, self.gen, self.tok = state, gen, state.tokenizer
+        self.prompt_tokens = prompt_tokens
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.generated = 0
+
+    # -- what a subclass spells ------------------------------------------------------------------------
+    def delta_choice(self, index: int, text: str, lp: Any, finish: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def final_choice(self, index: int, result: RunResult) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def token_logprobs(self, index: int, deltas: Sequence[TextDelta]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # -- OutputFormat ----------------------------------------------------------------------------------
+    def opening(self) -> Iterable[bytes]:
+        return ()
+
+    def event(self, index: int, delta: TextDelta) -> bytes | None:
+        self.generated += delta.token_id is not None
+        if delta.finish_reason is FinishReason.ERROR:
+            return sse({"error": {"message": _failure(delta.error), "type": "server_error", "param": None,
+                                  "code": "engine_error"}})
+        lp = self.token_logprobs(index, [delta]) if self.logprobs and delta.token_id is not None else None
+        choice = self.delta_choice(index, delta.text, lp, delta.finish_reason.openai if delta.finish_reason else None)
+        return self.chunk(choice) if delta.text or delta.finish_reason or lp else None
+
+    def closing(self) -> Iterable[bytes]:
+        if self.include_usage:
+            yield sse({**self.envelope([], stream=True), "usage": self.usage(self.generated)})
+        yield DONE
+
+    def body(self, results: list[RunResult]) -> dict[str, Any]:
+        for r in results:
+            if r.finish_reason is FinishReason.ERROR:
+                raise ApiError(500, _failure(r.error), type="server_error", code="engine_error")
+        choices = [self.final_choice(k, r) for k, r in enumerate(results)]
+        return {**self.envelope(choices, stream=False), "usage": self.usage(sum(len(r.tokens) for r in results))}
+
+    # -- framing ---------------------------------------------------------------------------------------
+    def chunk(self, choice: dict[str, Any]) -> bytes:
+        usage_field = {"usage": None} if self.include_usage else {}
+        return sse({**self.envelope([choice], stream=True), **usage_field})
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+        return {"id": self.gen.id, "object": self.chunk_object if stream else self.object,
+                "created": self.gen.created, "model": self.state.model_name, "system_fingerprint": FINGERPRINT,
+                "choices": choices}
+
+
+def _failure(error: str | None) -> str:
+    return f"generation failed: {error or 'engine error'}"
+
+
+class CompletionFormat(OpenAIFormat):
+    def __init__(self, state: AppState, gen: Generation, prompt_tokens: int, include_usage: bool,
+                 logprobs: bool, echoes: list[str]) -> None:
+        super().__init__(state, gen, prompt_tokens, include_usage, logprobs)
+        self.echoes = echoes
+        self.offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
+
+    def opening(self) -> Iterable[bytes]:
+        return [self.chunk(self.delta_choice(k, echo, None, None)) for k, echo in enumerate(self.echoes) if echo]
+
+    def delta_choice(self, index: int, text: str, lp: Any, finish: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def event(self, index: int, delta: TextDelta) -> bytes | None:
+        out = super().event(index, delta)
+        self.offsets[index] += len(delta.text)
+        return out
+
+    def final_choice(self, index: int, result: RunResult) -> dict[str, Any]:
+        echo = self.echoes[index]
+        lp = _completion_logprobs(self.tok, result.steps, len(echo)) if self.logprobs else None
+        return self.delta_choice(index, echo + result.text, lp, result.finish_reason.openai)
+
+    def token_logprobs(self, index: int, deltas: Sequence[TextDelta]) -> dict[str, Any]:
+        return _completion_logprobs(self.tok, deltas, self.offsets[index])
+
+
+def _completion_logprobs(tok: Any, deltas: Sequence[TextDelta], offset: int) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for s in steps:
+    for s in deltas:
         if s.token_id is None:
             continue
         top: dict[str, float | None] = {_token_text(tok, t): lp for t, lp in s.top_logprobs}
@@ -74,92 +139,60 @@ def _completion_logprobs(tok: Any, steps: Sequence[Step], offset: int) -> dict[s
     return out
 
 
-def _chat_logprobs(tok: Any, steps: Sequence[Step]) -> dict[str, Any]:
-    def entry(token_id: int, lp: float | None) -> dict[str, Any]:
-        text = _token_text(tok, token_id)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+class ChatFormat(OpenAIFormat):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
 
-    content = []
-    for s in steps:
-        if s.token_id is not None:
-            content.append({**entry(s.token_id, s.logprob),
-                            "top_logprobs": [entry(t, lp) for t, lp in s.top_logprobs]})
-    return {"content": content}
+    def opening(self) -> Iterable[bytes]:
+        return [self.chunk(self.delta_choice(k, "", None, None)) for k in range(len(self.gen.runs))]
+
+    def delta_choice(self, index: int, text: str, lp: Any, finish: str | None) -> dict[str, Any]:
+        # "role" in every delta: harmless for OpenAI clients, required by the text-generation client.
+        delta = {"role": "assistant", "content": text, "tool_calls": None}
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def final_choice(self, index: int, result: RunResult) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": result.text},
+                "logprobs": self.token_logprobs(index, result.steps) if self.logprobs else None,
+                "finish_reason": result.finish_reason.openai}
+
+    def token_logprobs(self, index: int, deltas: Sequence[TextDelta]) -> dict[str, Any]:
+        def entry(token_id: int, lp: float | None) -> dict[str, Any]:
+            text = _token_text(self.tok, token_id)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(s.token_id, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top_logprobs]}
+                            for s in deltas if s.token_id is not None]}
 
 
-def _raise_engine_error(results: Sequence[RunResult]) -> None:
-    for r in results:
-        if r.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {r.error or 'engine error'}", type="server_error",
-                           code="engine_error")
+def _admit(state: AppState, req: SamplingFields, kind: str, prompts: list[list[int]], max_tokens: int,
+           logprobs: int | None) -> Generation:
+    """n choices per prompt, seeded seed, seed+1, ... (reproducible, yet different)."""
+    n = req.num_choices()
+    params = [req.to_params(max_tokens, logprobs, index=j) for _ in prompts for j in range(n)]
+    sequences = [p for p in prompts for _ in range(n)]
+    return admit(state, sequences, params, req.stop_strings(), new_id(kind))
 
 
-def _stream_error(step: Step) -> bytes:
-    return sse({"error": {"message": f"generation failed: {step.error or 'engine error'}", "type": "server_error",
-                          "param": None, "code": "engine_error"}})
-
-
-# -- /v1/completions --------------------------------------------------------------------------------
-@endpoint
+# -- routes -----------------------------------------------------------------------------------------
 async def completions(request: Request) -> Response:
     state = state_of(request)
     req = await parse(request, CompletionRequest, state.body_limit)
     state.check_model(req.model)
     req.check_supported()
     raw_prompts = req.prompts()
-    prompts = [prompt_ids(state.tokenizer, p) for p in raw_prompts]
-    job = _Job(state, req, "text", prompts, req.max_tokens or DEFAULT_COMPLETION_TOKENS, req.logprobs)
-    n = req.num_choices()
-    echoes = [""] * len(job.runs)
+    prompts = [prompt_ids(state, p) for p in raw_prompts]
+    include_usage = req.include_usage()
+    gen = _admit(state, req, "cmpl", prompts, req.max_tokens or DEFAULT_COMPLETION_TOKENS, req.logprobs)
+    echoes = [""] * len(gen.runs)
     if req.echo:
         texts = [p if isinstance(p, str) else str(state.tokenizer.decode(ids, skip_special_tokens=True))
                  for p, ids in zip(raw_prompts, prompts)]
-        echoes = [t for t in texts for _ in range(n)]
-    if req.stream:
-        return EventStream(_stream_completions(job, echoes, req.logprobs is not None), job.abort_all, job.headers)
-    results = await collect_all(request, job.runs)
-    _raise_engine_error(results)
-    tok = state.tokenizer
-    choices = [
-        {"index": k, "text": echoes[k] + r.text,
-         "logprobs": _completion_logprobs(tok, r.steps, len(echoes[k])) if req.logprobs is not None else None,
-         "finish_reason": FINISH.get(r.finish_reason, r.finish_reason)}
-        for k, r in enumerate(results)
-    ]
-    body = {**job.envelope(choices, stream=False), "usage": job.usage(sum(len(r.tokens) for r in results))}
-    return JSONResponse(body, headers=job.headers)
+        echoes = [t for t in texts for _ in range(req.num_choices())]
+    fmt = CompletionFormat(state, gen, sum(len(p) for p in prompts), include_usage, req.logprobs is not None, echoes)
+    return stream_response(gen, fmt) if req.stream else await whole_response(request, gen, fmt)
 
 
-async def _stream_completions(job: _Job, echoes: list[str], logprobs: bool) -> AsyncIterator[bytes]:
-    tok = job.state.tokenizer
-    usage_field = {"usage": None} if job.include_usage else {}
-    offsets = [len(e) for e in echoes]
-    generated = 0
-
-    def chunk(k: int, text: str, lp: Any, finish: str | None) -> bytes:
-        choice = {"index": k, "text": text, "logprobs": lp, "finish_reason": finish}
-        return sse({**job.envelope([choice], stream=True), **usage_field})
-
-    for k, echo in enumerate(echoes):
-        if echo:
-            yield chunk(k, echo, None, None)
-    async for k, step in merge(job.runs):
-        generated += step.token_id is not None
-        if step.finish_reason == "error":
-            yield _stream_error(step)
-            continue
-        lp = _completion_logprobs(tok, [step], offsets[k]) if logprobs and step.token_id is not None else None
-        offsets[k] += len(step.text)
-        if step.text or step.finish_reason or lp:
-            finish = FINISH.get(step.finish_reason, step.finish_reason) if step.finish_reason else None
-            yield chunk(k, step.text, lp, finish)
-    if job.include_usage:
-        yield sse({**job.envelope([], stream=True), "usage": job.usage(generated)})
-    yield b"data: [DONE]\n\n"
-
-
-# -- /v1/chat/completions ---------------------------------------------------------------------------
-@endpoint
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     req = await parse(request, ChatCompletionRequest, state.body_limit)
@@ -167,44 +200,7 @@ async def chat_completions(request: Request) -> Response:
     req.check_supported()
     ids = render_chat(state.tokenizer, [m.as_template_dict() for m in req.messages])
     max_tokens = req.max_new_tokens() or default_max_tokens(state, len(ids))
-    job = _Job(state, req, "chat", [ids], max_tokens, req.logprobs_k())
-    if req.stream:
-        return EventStream(_stream_chat(job, bool(req.logprobs)), job.abort_all, job.headers)
-    results = await collect_all(request, job.runs)
-    _raise_engine_error(results)
-    tok = state.tokenizer
-    choices = [
-        {"index": k, "message": {"role": "assistant", "content": r.text},
-         "logprobs": _chat_logprobs(tok, r.steps) if req.logprobs else None,
-         "finish_reason": FINISH.get(r.finish_reason, r.finish_reason)}
-        for k, r in enumerate(results)
-    ]
-    body = {**job.envelope(choices, stream=False), "usage": job.usage(sum(len(r.tokens) for r in results))}
-    return JSONResponse(body, headers=job.headers)
-
-
-async def _stream_chat(job: _Job, logprobs: bool) -> AsyncIterator[bytes]:
-    tok = job.state.tokenizer
-    usage_field = {"usage": None} if job.include_usage else {}
-    generated = 0
-
-    def chunk(k: int, content: str | None, lp: Any, finish: str | None) -> bytes:
-        # "role" in every delta: harmless for OpenAI clients, required by the text-generation client.
-        delta = {"role": "assistant", "content": content, "tool_calls": None}
-        choice = {"index": k, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return sse({**job.envelope([choice], stream=True), **usage_field})
-
-    for k in range(len(job.runs)):
-        yield chunk(k, "", None, None)
-    async for k, step in merge(job.runs):
-        generated += step.token_id is not None
-        if step.finish_reason == "error":
-            yield _stream_error(step)
-            continue
-        lp = _chat_logprobs(tok, [step]) if logprobs and step.token_id is not None else None
-        if step.text or step.finish_reason or lp:
-            finish = FINISH.get(step.finish_reason, step.finish_reason) if step.finish_reason else None
-            yield chunk(k, step.text, lp, finish)
-    if job.include_usage:
-        yield sse({**job.envelope([], stream=True), "usage": job.usage(generated)})
-    yield b"data: [DONE]\n\n"
+    include_usage = req.include_usage()
+    gen = _admit(state, req, "chatcmpl", [ids], max_tokens, req.logprobs_k())
+    fmt = ChatFormat(state, gen, len(ids), include_usage, bool(req.logprobs))
+    return stream_response(gen, fmt) if req.stream else await whole_response(request, gen, fmt)

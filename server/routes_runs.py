@@ -1,5 +1,5 @@
 """Consuming engine token streams: one `SequenceRun` per submitted sequence turns TokenEvents into text
-steps (incremental detokenization + stop strings), for streaming and non-streaming alike, so both
+deltas (incremental detokenization + stop strings), for streaming and non-streaming alike, so both
 produce the same text. Also: merging several runs into one stream, client-disconnect handling, and an
 SSE response that aborts its sequences when the client goes away."""
 
@@ -16,7 +16,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.detokenizer import IncrementalDetokenizer, StopMatcher
+from server.detokenizer import incremental_detokenizer
+from server.stop_strings import StopMatcher
+from server.engine_types import FinishReason
 
 if TYPE_CHECKING:
     from server.engine import RequestHandle
@@ -24,32 +26,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("bucketserve.http")
 T = TypeVar("T")
 
-# Internal finish reasons: the engine's ("stop" = EOS / stop token, "length", "abort", "error")
-# plus "stop_string" when this layer matched a stop string.
-STOP_STRING = "stop_string"
+STOP_STRING = FinishReason.STOP_STRING
 
 
 @dataclass(frozen=True)
-class Step:
-    """What one engine event adds to a sequence."""
+class TextDelta:
+    """What one engine event adds to a sequence: its text, its token and, on the last one, why it ended."""
 
     text: str
     token_id: int | None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
 
 
 @dataclass
 class RunResult:
     text: str = ""
-    steps: list[Step] = field(default_factory=list)
-    finish_reason: str = "abort"
+    steps: list[TextDelta] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.ABORT
     error: str | None = None
 
     @property
-    def tokens(self) -> list[Step]:
+    def tokens(self) -> list[TextDelta]:
         return [s for s in self.steps if s.token_id is not None]
 
 
@@ -59,7 +59,7 @@ class SequenceRun:
         hold_back: bool = True,
     ) -> None:
         self.handle = handle
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.detok = incremental_detokenizer(tokenizer, prompt_ids)
         self.stopper = StopMatcher(stops, hold_back=hold_back)
         self.finished = False
 
@@ -68,8 +68,8 @@ class SequenceRun:
             self.finished = True
             self.handle.abort(reason)
 
-    async def steps(self) -> AsyncIterator[Step]:
-        """Steps until the sequence ends; the last one carries the finish reason."""
+    async def steps(self) -> AsyncIterator[TextDelta]:
+        """Deltas until the sequence ends; the last one carries the finish reason."""
         try:
             async for ev in self.handle:
                 text = ""
@@ -77,19 +77,20 @@ class SequenceRun:
                     text, matched = self.stopper.feed(self.detok.add(ev.token_id))
                     if matched:
                         self.abort(STOP_STRING)  # the engine may still have tokens in flight
-                        yield Step(text, ev.token_id, ev.logprob, ev.top_logprobs, STOP_STRING)
+                        yield TextDelta(text, ev.token_id, ev.logprob, ev.top_logprobs, STOP_STRING)
                         return
                 if ev.finish_reason is None:
-                    yield Step(text, ev.token_id, ev.logprob, ev.top_logprobs)
+                    yield TextDelta(text, ev.token_id, ev.logprob, ev.top_logprobs)
                     continue
                 tail, matched = self.stopper.feed(self.detok.flush())
                 text += tail + self.stopper.flush()
-                reason = STOP_STRING if matched else ev.finish_reason
+                reason = STOP_STRING if matched else FinishReason(ev.finish_reason)
                 self.finished = True
-                yield Step(text, ev.token_id, ev.logprob, ev.top_logprobs, reason, ev.error)
+                yield TextDelta(text, ev.token_id, ev.logprob, ev.top_logprobs, reason, ev.error)
                 return
             self.finished = True  # the engine promises a final event; be safe if it ends early
-            yield Step("", None, finish_reason="abort", error="token stream ended without a finish reason")
+            yield TextDelta("", None, finish_reason=FinishReason.ABORT,
+                            error="token stream ended without a finish reason")
         finally:
             self.abort("client")
 
@@ -103,17 +104,17 @@ class SequenceRun:
         return result
 
 
-async def merge(runs: Sequence[SequenceRun]) -> AsyncIterator[tuple[int, Step]]:
-    """Interleave the steps of several runs as they arrive; (run index, step)."""
+async def merge(runs: Sequence[SequenceRun]) -> AsyncIterator[tuple[int, TextDelta]]:
+    """Interleave the deltas of several runs as they arrive; (run index, delta)."""
     if len(runs) == 1:
         try:
             async for step in runs[0].steps():
                 yield 0, step
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, end the stream cleanly
             log.exception("sequence failed")
-            yield 0, Step("", None, finish_reason="error", error=type(exc).__name__)
+            yield 0, _failed(exc)
         return
-    queue: asyncio.Queue[tuple[int, Step | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, TextDelta | None]] = asyncio.Queue()
 
     async def pump(i: int, run: SequenceRun) -> None:
         try:
@@ -121,7 +122,7 @@ async def merge(runs: Sequence[SequenceRun]) -> AsyncIterator[tuple[int, Step]]:
                 await queue.put((i, step))
         except Exception as exc:  # noqa: BLE001 - report the failure on this choice only
             log.exception("sequence %d failed", i)
-            await queue.put((i, Step("", None, finish_reason="error", error=type(exc).__name__)))
+            await queue.put((i, _failed(exc)))
         finally:
             await queue.put((i, None))
 
@@ -139,6 +140,10 @@ async def merge(runs: Sequence[SequenceRun]) -> AsyncIterator[tuple[int, Step]]:
             t.cancel()
         for r in runs:
             r.abort("client")
+
+
+def _failed(exc: Exception) -> TextDelta:
+    return TextDelta("", None, finish_reason=FinishReason.ERROR, error=type(exc).__name__)
 
 
 async def collect_all(request: Request, runs: Sequence[SequenceRun]) -> list[RunResult]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -113,7 +114,15 @@ def _serve(settings: ServerSettings, mesh_spec: MeshSpec | None, launch: RankLau
     finally:
         if watchdog is not None:
             watchdog.stop()
-    if watchdog is not None and watchdog.failure is not None:
-        log.error("exiting with status 1: %s", watchdog.failure)
+    failed = watchdog is not None and watchdog.failure is not None
+    if failed:
+        log.error("exiting with status 1: %s", watchdog.failure if watchdog else "")
+    if engine.thread_busy:
+        # Stopped during warm-up while a graph compiles: nothing can interrupt it, and Python's exit would
+        # join inductor's compile pools (minutes). Builder processes are already gone (cancel_warmup).
+        log.warning("exiting during warm-up; the graph being compiled is abandoned")
+        logging.shutdown()
+        os._exit(1 if failed else 0)
+    if failed:
         return 1
     return 0

@@ -1,9 +1,12 @@
 """buckets/ is pure Python; models/ knows nothing of HTTP or buckets; only server/ touches Starlette,
-uvicorn and prometheus-client."""
+uvicorn and prometheus-client; server/'s HTTP layer does not load torch, transformers or the runner."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,3 +42,32 @@ def test_web_stack_only_in_server() -> None:
     for package in ("buckets", "models"):
         for path in (ROOT / package).rglob("*.py"):
             assert not imported_roots(path) & {"starlette", "uvicorn", "prometheus_client"}, path
+
+
+# The HTTP layer of server/: it builds and validates records, never runs the model.
+HTTP_MODULES = ("server.app", "server.protocol", "server.protocol_openai", "server.protocol_tgi", "server.errors",
+                "server.limits", "server.admission", "server.output", "server.routes_openai", "server.routes_tgi",
+                "server.routes_common", "server.routes_runs", "server.routes_misc", "server.detokenizer",
+                "server.stop_strings", "server.engine_types")
+MODEL_STACK = ("torch", "transformers", "models.runner", "models.sampling", "server.engine", "server.engine_model")
+
+
+def test_http_layer_does_not_load_the_model_stack() -> None:
+    """Importing the HTTP modules (a fresh interpreter) loads neither torch nor transformers nor the runner:
+    pure records (models.params, server.engine_types) are what crosses into it."""
+    code = (f"import sys\nimport {', '.join(HTTP_MODULES)}\n"
+            f"print(','.join(m for m in {MODEL_STACK!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"the HTTP layer loads {out.stdout.strip()}"
+
+
+@pytest.mark.parametrize("module", HTTP_MODULES)
+def test_http_modules_import_no_model_code(module: str) -> None:
+    path = ROOT / (module.replace(".", "/") + ".py")
+    bad = imported_roots(path) & {"torch", "transformers"}
+    assert not bad, f"{module} imports {sorted(bad)}"
+    models = {n.module for n in ast.walk(ast.parse(path.read_text()))
+              if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "models"}
+    assert models <= {"models.params"}, f"{module} imports {sorted(models)} (only the torch-free models.params)"

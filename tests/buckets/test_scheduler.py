@@ -96,6 +96,19 @@ def test_admission_limits() -> None:
         s.add(seq("f", 30, max_tokens=40))
 
 
+def test_add_many_is_all_or_none_and_checks_sizes_first() -> None:
+    s = Scheduler(TABLE, max_waiting_requests=3, max_waiting_tokens=100)
+    s.add(seq("a", 5))
+    with pytest.raises(QueueFullError, match="3 requests"):  # the third of three does not fit
+        s.add_many([seq("b", 5), seq("c", 5), seq("d", 5)])
+    assert s.num_waiting == 1 and s.waiting_tokens == 5
+    with pytest.raises(PromptTooLongError):  # too long is reported as such, not as a full queue
+        s.add_many([seq("e", 5), seq("f", 5), seq("g", 5), seq("h", 33)])
+    assert s.num_waiting == 1
+    s.add_many([seq("b", 5), seq("c", 5)])
+    assert [q.request_id for q in s.waiting] == ["a", "b", "c"] and s.waiting_tokens == 15
+
+
 def test_random_workload_is_fcfs_and_completes() -> None:
     rng = random.Random(0)
     s = Scheduler(TABLE, max_waiting_requests=1000, max_waiting_tokens=10**6)

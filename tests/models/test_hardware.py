@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from models.hardware import cpu_flags, resolve_dtype, resolve_num_threads
+from models.hardware import (
+    cgroup_cpu_quota, cpu_flags, resolve_compile_workers, resolve_dtype, resolve_num_threads, usable_cores,
+)
 
 XEON = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n\nprocessor\t: 1\n"
 OLD = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n"
@@ -30,3 +32,24 @@ def test_threads_leave_one_core_for_http() -> None:
     assert resolve_num_threads(3, 2) == 3
     with pytest.raises(ValueError):
         resolve_num_threads(-1)
+
+
+@pytest.mark.parametrize("content,expected", [
+    ("200000 100000\n", 2), ("150000 100000\n", 2), ("50000 100000\n", 1), ("max 100000\n", None), ("junk", None),
+])
+def test_cgroup_cpu_quota_in_whole_cores(tmp_path, content: str, expected: int | None) -> None:
+    path = tmp_path / "cpu.max"
+    path.write_text(content)
+    assert cgroup_cpu_quota(str(path)) == expected
+    cores = usable_cores(str(path))
+    assert cores >= 1 and (expected is None or cores <= expected)
+    assert cgroup_cpu_quota(str(tmp_path / "missing")) is None
+
+
+def test_compile_workers_default_to_the_cores_capped() -> None:
+    assert resolve_compile_workers(0, cores=2) == 2
+    assert resolve_compile_workers(0, cores=64) == 4
+    assert resolve_compile_workers(0, cores=1) == 1
+    assert resolve_compile_workers(3, cores=1) == 3
+    with pytest.raises(ValueError):
+        resolve_compile_workers(-1)

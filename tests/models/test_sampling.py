@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from models.sampling import Sampler, SamplingError, SamplingParams
+from models.params import SamplingError, SamplingParams
+from models.sampling import Sampler
 
 
 def draw(params: SamplingParams, steps: int = 20) -> list[int]:

@@ -19,7 +19,7 @@ from buckets import BucketTable
 from server.app import create_app
 from server.config import ServerSettings
 from server.metrics import Metrics
-from tests.server.fake_engine import FakeEngine, build_tokenizer
+from tests.server.fake_engine import CHAT_TEMPLATE, FakeEngine, build_tokenizer
 
 FAKE_TABLE = BucketTable(lengths=(16, 32, 64), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1,), context_length=128)
 
@@ -54,6 +54,28 @@ class RecordingMetrics(Metrics):
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def slow_tokenizer() -> Any:
+    """A slow (pure Python) tokenizer that needs no files: ByT5's, one token per UTF-8 byte, so every
+    multi-byte character is split across tokens; it exercises the fallback detokenizer."""
+    from transformers import ByT5Tokenizer
+
+    tok = ByT5Tokenizer()
+    assert not tok.is_fast
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture
+def slow_client(slow_tokenizer: Any) -> Iterator[TestClient]:
+    """A TestClient over the fake engine with the slow tokenizer."""
+    engine = FakeEngine(slow_tokenizer, FAKE_TABLE)
+    app = create_app(engine, ServerSettings(), RecordingMetrics(FAKE_TABLE))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        wait_ready(engine.is_ready)
+        yield client
 
 
 AppFactory = Callable[..., tuple[Starlette, FakeEngine, RecordingMetrics]]

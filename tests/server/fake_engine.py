@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from buckets import BucketTable
-from models.sampling import SamplingParams
+from models.params import SamplingParams
 from server.engine_types import (
     DrainingError, EngineDeadError, EngineNotReadyError, QueueFullError, RequestHandle, TokenEvent, WarmupProgress,
 )
@@ -72,6 +72,7 @@ class FakeEngine:
         self.table = table
         self.model_name = model_name
         self.eos_token_ids = frozenset({int(tokenizer.eos_token_id)})
+        self.vocab_limit = len(tokenizer)
         self.step_delay = step_delay
         self.warmup_delay = warmup_delay
         self.max_waiting = max_waiting
@@ -127,24 +128,31 @@ class FakeEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        return self.submit_many([prompt_ids], [params], [request_id or uuid.uuid4().hex])[0]
+
+    def submit_many(self, prompts: list[list[int]], params: list[SamplingParams],
+                    request_ids: list[str]) -> list[RequestHandle]:
+        """All or none, like the real engine: every check runs before anything is queued."""
         if self._failed is not None:
             raise EngineDeadError(self._failed)
         if self._draining:
             raise DrainingError(2.0)
         if self._done < self.table.num_graphs:
             raise EngineNotReadyError(3.0)
-        bucket = self.table.check_request(len(prompt_ids), params.max_tokens)
-        assert all(0 <= t < len(self.tokenizer) for t in prompt_ids), "HTTP layer let a bad token id through"
+        buckets = [self.table.check_request(len(ids), p.max_tokens) for ids, p in zip(prompts, params, strict=True)]
+        assert all(0 <= t < self.vocab_limit for ids in prompts for t in ids), "HTTP layer let a bad token id through"
+        loop = asyncio.get_running_loop()
+        handles = []
         with self._lock:
-            if len(self._active) >= self.max_waiting:
-                raise QueueFullError("requests", 4.0)
-            rid = request_id or uuid.uuid4().hex
-            handle = RequestHandle(rid, len(prompt_ids), bucket, bucket - len(prompt_ids),
-                                   asyncio.get_running_loop(), self.abort)
-            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-            self._active[rid] = _Req(handle, list(prompt_ids), params, random.Random(params.seed), stop_ids=stop_ids)
-            self.submitted.append((list(prompt_ids), params))
-        return handle
+            if len(self._active) + len(prompts) > self.max_waiting:
+                raise QueueFullError("requests", self.max_waiting, retry_after=4.0)
+            for ids, p, rid, bucket in zip(prompts, params, request_ids, buckets):
+                handle = RequestHandle(rid, len(ids), bucket, bucket - len(ids), loop, self.abort)
+                stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+                self._active[rid] = _Req(handle, list(ids), p, random.Random(p.seed), stop_ids=stop_ids)
+                self.submitted.append((list(ids), p))
+                handles.append(handle)
+        return handles
 
     def abort(self, request_id: str, reason: str = "client") -> None:
         with self._lock:

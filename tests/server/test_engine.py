@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from buckets import BucketTable
+from buckets import BucketTable, PromptTooLongError
 from models.sampling import SamplingParams
 from server.engine import Engine, QueueFullError
 from server.testing import TINY_TABLE, tiny_engine, tiny_settings
@@ -258,3 +258,21 @@ def test_abort_between_chunks_frees_the_slot_and_leaves_others_unchanged(tmp_pat
             engine.stop()
 
     assert asyncio.run(main()) == solo(reference_model, other_ids, 30)
+
+
+def test_submit_many_admits_all_or_none(tmp_path) -> None:
+    async def main() -> None:
+        engine = await started(tiny_engine(tmp_path, settings=tiny_settings(max_waiting_requests=8)))
+        try:
+            params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+            too_long = SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True)
+            with pytest.raises(PromptTooLongError):  # the third choice does not fit: none is queued
+                engine.submit_many([[5] * 4, [6] * 4, [7] * 4], [params, params, too_long], ["a-0", "a-1", "a-2"])
+            assert engine.num_waiting() + engine.num_running() == 0
+            handles = engine.submit_many([[5] * 4, [6] * 4], [params, params], ["b-0", "b-1"])
+            results = await asyncio.gather(*(collect(h) for h in handles))
+            assert [len(t) for t, _ in results] == [3, 3]
+        finally:
+            engine.stop()
+
+    asyncio.run(main())

@@ -192,7 +192,7 @@ def test_unexpected_exception_is_a_500_for_that_request_only(shared: tuple[TestC
     def explode(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("surprise")
 
-    monkeypatch.setattr(engine, "submit", explode)
+    monkeypatch.setattr(engine, "submit_many", explode)
     err = check_error(client.post("/v1/completions", json={"prompt": "x"}), 500, code="internal_error")
     assert err["type"] == "server_error" and "surprise" not in err["message"]  # no internals leak
     monkeypatch.undo()

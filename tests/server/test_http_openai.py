@@ -154,3 +154,19 @@ def test_chat_content_parts_and_model_name(client: TestClient) -> None:
         r = client.post("/v1/chat/completions", json={"model": model, "max_tokens": 9, "temperature": 0,
                                                       "messages": [{"role": "user", "content": parts}]})
         assert r.json()["choices"][0]["message"]["content"] == "<user>hi\n"
+
+
+def test_stream_equals_non_stream_with_a_slow_tokenizer(slow_client: TestClient) -> None:
+    """The fallback detokenizer (slow tokenizer, one token per byte: every multi-byte character split)."""
+    for body in ({"prompt": "emoji 😀 🚀 日本", "max_tokens": 23}, {"prompt": "the cat", "max_tokens": 7, "seed": 3,
+                                                                  "temperature": 0.8, "n": 2}):
+        whole = completion(slow_client, **body).json()
+        events = sse_events(completion(slow_client, stream=True, **body).text)
+        for c in whole["choices"]:
+            assert streamed_text(events, c["index"]) == c["text"]
+    assert "😀" in completion(slow_client, prompt="emoji 😀 🚀 日本", max_tokens=23).json()["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "日本 😀"}], "max_tokens": 20, "temperature": 0}
+    whole = slow_client.post("/v1/chat/completions", json=chat).json()
+    events = sse_events(slow_client.post("/v1/chat/completions", json={**chat, "stream": True}).text)
+    streamed = "".join(c["delta"]["content"] or "" for e in events for c in e["choices"])
+    assert streamed == whole["choices"][0]["message"]["content"] and "日本" in streamed

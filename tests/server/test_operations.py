@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from server.engine_model import EngineModel
-from server.testing import tiny_settings
+from server.testing import TINY_TABLE, tiny_settings
 
 TINY_FLAGS = ["--buckets", "8,16,32,64", "--batch-sizes", "1,2,4", "--prefill-batch-sizes", "1,2",
               "--max-model-len", "128", "--num-threads", "1"]
@@ -173,3 +173,32 @@ def _up(server: ServerProcess) -> bool:
         return True
     except httpx.HTTPError:
         return False
+
+
+def test_require_cached_graphs_fails_before_compiling_anything(tiny_llama: str, tmp_path: Path) -> None:
+    """Inductor keeps one artifact per graph: a missing one is known before any compile starts."""
+    from server.engine_model import CacheMissingError
+
+    settings = tiny_settings(compile_backend="inductor", compile_cache_dir=str(tmp_path), require_cached_graphs=True)
+    model = EngineModel(settings, tiny_llama)
+    with pytest.raises(CacheMissingError, match=f"{TINY_TABLE.num_graphs} graphs were not in the compile cache"):
+        model.load_and_warm()
+    assert model.accountant.count() == 0
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_cold_start_stops_the_warmup_and_its_builders(tiny_llama: str, tmp_path: Path) -> None:
+    """A pod deleted while it compiles: the server exits 0 after at most the graph in progress, and the
+    builder process compiling the other half goes with it."""
+    server = ServerProcess(tiny_llama, *TINY_FLAGS, "--compile-backend", "inductor", "--compile-workers", "2",
+                           "--compile-cache-dir", str(tmp_path / "cache"), log_path=tmp_path / "server.log")
+    deadline = time.monotonic() + 300
+    while "builder processes" not in (tmp_path / "server.log").read_text():
+        assert time.monotonic() < deadline and server.proc.poll() is None
+        time.sleep(0.2)
+    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert server.stop() == 0
+    alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and "zombie" not in
+             open(f"/proc/{pid}/status").read().lower()]
+    assert not alive, alive
+    assert "exiting during warm-up" in (tmp_path / "server.log").read_text()

@@ -180,7 +180,10 @@ def compilation() -> list[Panel]:
         timeseries("Compile cache", [
             target(f"sum(bucketserve_compile_cache_hits_total{{{SEL}}})", "hits"),
             target(f"sum(bucketserve_compile_cache_misses_total{{{SEL}}})", "misses", ref=1),
-        ], "short", "graphs found in / missing from the compile cache at warm-up"),
+            target(f"sum by (reason) (bucketserve_compile_artifacts_rejected_total{{{SEL}}})",
+                   "rejected ({{reason}})", ref=2),
+        ], "short", "graphs found in / missing from the compile cache at warm-up; rejected: saved artifacts "
+                    "found corrupt or stale and rebuilt"),
         timeseries("Warm-up seconds per pod", [
             target(f"max by (pod) (bucketserve_warmup_seconds{{{SEL}}})", "{{pod}} seconds"),
         ], "s"),

@@ -1,0 +1,107 @@
+"""Compile graphs in other processes during warm-up, so a cold start uses every core.
+
+Tracing, inductor's scheduling and code generation run in Python under one GIL; the C++ builds already go to
+inductor's compile workers. A second process compiling half of the missing graphs into the same store works
+in parallel with the first; the serving process then loads its artifacts (about 0.2 s each). Each builder
+loads its own copy of the weights (the model is an input of the graphs, so any copy of the same checkpoint
+serves) and exits when done.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import sys
+import threading
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from models.compile import CompileSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """What a builder process needs to rebuild the serving process's runner (picklable)."""
+
+    model_path: str
+    dtype: str
+    device: str
+    table: Any  # the server's bucket table (pickled; models does not import buckets)
+    settings: CompileSettings
+    num_threads: int
+
+
+def build_graphs(spec: BuildSpec, keys: list[Any]) -> dict[str, float]:
+    """In a builder process: compile `keys` into the store; returns label -> compile seconds."""
+    import torch
+
+    from models.artifacts import label_of
+    from models.loading import load_model
+    from models.runner import ModelRunner
+
+    torch.set_num_threads(spec.num_threads)
+    model = load_model(spec.model_path, spec.dtype, spec.device)
+    runner = ModelRunner(model, spec.table, spec.settings)
+    runner.warmup(keys)
+    runner.stop_serving()
+    return {label_of(r.key): r.seconds for r in runner.accountant.records if r.cache_hit is False}
+
+
+def _die_with_parent() -> None:
+    """Builder initializer: on Linux, ask the kernel to SIGKILL this process when its parent dies (a server
+    killed with SIGKILL cannot stop its builders itself)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ProcessBuilder:
+    """A pool of `workers` spawned processes (a fresh interpreter each: no forked torch state). Owned by
+    whoever runs the warm-up, and closed by it."""
+
+    def __init__(self, spec: BuildSpec, workers: int) -> None:
+        self.spec = spec
+        self._workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # close() may come from a stopping thread while the warm-up submits
+
+    @property
+    def workers(self) -> int:
+        return self._workers
+
+    def submit(self, keys: list[Any]) -> Future[dict[str, float]]:
+        with self._lock:
+            if self._closed:  # cancelled meanwhile: the warm-up compiles these itself, or stops
+                refused: Future[dict[str, float]] = Future()
+                refused.set_exception(RuntimeError("the graph builder is closed"))
+                return refused
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_die_with_parent)
+            return self._pool.submit(build_graphs, self.spec, keys)
+
+    def close(self, abandon: bool = False) -> None:
+        """Wait for the workers to exit; `abandon`: stop them mid-build (the warm-up failed or was cancelled,
+        and a half-built artifact is never written: saves are atomic)."""
+        with self._lock:
+            pool, self._pool, self._closed = self._pool, None, True
+        if pool is None:
+            return
+        if abandon:
+            # The executor has no public way to stop a running task; its worker processes are still ours.
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> ProcessBuilder:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self.close(abandon=exc_type is not None)
