@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from server.config import SettingsError, add_server_arguments, settings_from_args
+from server.config import ServerSettings, SettingsError, add_server_arguments, settings_from_args
+
+if TYPE_CHECKING:
+    from models.mesh import MeshSpec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -86,15 +89,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from server.tp_launch import run_ranked  # tensor parallel: rank 0 generates, the other ranks follow
+
+    settings = settings_from_args(args)
+    return run_ranked(settings, lambda spec, launch: _generate_lead(args, settings, spec))
+
+
+def _generate_lead(args: argparse.Namespace, settings: ServerSettings, mesh_spec: MeshSpec | None) -> int:
     from buckets import PromptTooLongError
     from models.generator import generate_one
     from models.loading import resolve_model_path
     from models.sampling import SamplingError, SamplingParams
     from server.engine_model import EngineModel
 
-    settings = settings_from_args(args)
     path = resolve_model_path(settings.model, settings.model_cache_dir or None)
-    model = EngineModel(settings, path)
+    model = EngineModel(settings, path, mesh_spec=mesh_spec)
     tok = model.tokenizer
     if args.chat:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
@@ -108,6 +117,7 @@ def _generate(args: argparse.Namespace) -> int:
         bucket = model.table.check_request(len(ids), params.max_tokens)
     except (SamplingError, PromptTooLongError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
+        model.close()
         return 2
     t0 = time.monotonic()
     from buckets import GraphKey

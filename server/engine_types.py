@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from buckets.scheduler import QueueFullError
 
@@ -85,6 +85,7 @@ class WarmupProgress:
     ready: bool
     draining: bool
     failed: str | None
+    mesh: dict[str, Any] | None = None  # tensor parallel: layout and per-rank compilations
 
 
 @dataclass(eq=False)

@@ -15,6 +15,7 @@ from typing import Any
 from models.artifacts import GraphStore
 from models.compile import CompileRecord
 from models.loading import resolve_model_path
+from models.mesh import MeshSpec
 from server.config import ServerSettings
 from server.engine_model import EngineModel
 
@@ -22,8 +23,14 @@ log = logging.getLogger("bucketserve.precompile")
 
 
 def precompile_main(settings: ServerSettings) -> int:
+    from server.tp_launch import run_ranked  # tensor parallel: every rank warms its graphs
+
+    return run_ranked(settings, lambda spec, launch: _precompile(settings, spec))
+
+
+def _precompile(settings: ServerSettings, mesh_spec: MeshSpec | None) -> int:
     path = resolve_model_path(settings.model, settings.model_cache_dir or None)
-    model = EngineModel(settings, path)
+    model = EngineModel(settings, path, mesh_spec=mesh_spec)
     model.load_and_warm()
     manifest = {
         "model": model.name,
@@ -35,6 +42,7 @@ def precompile_main(settings: ServerSettings) -> int:
         "buckets": model.table.to_dict(),
         "graphs": [_graph_entry(model, r) for r in model.accountant.records],
         "warmup_seconds": round(model.progress.seconds, 3),
+        "mesh": model.mesh_info(),
         "process_seconds": _process_age(),
     }
     print(json.dumps(manifest, indent=2))

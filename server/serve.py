@@ -19,24 +19,30 @@ import uvicorn
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from models.loading import resolve_model_path
+from models.mesh import MeshSpec
 from server.config import ServerSettings
 from server.engine import Engine
 from server.engine_model import EngineModel
 from server.hooks import SafeHooks
 from server.metrics import Metrics
+from server.tp_launch import RankLaunch, run_ranked
 
 log = logging.getLogger("bucketserve.serve")
 
 
-def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = None) -> tuple[Engine, Metrics]:
+def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = None,
+                 mesh_spec: MeshSpec | None = None) -> tuple[Engine, Metrics]:
     """Everything the app needs, unstarted: model path resolved, tokenizer and table loaded, metrics registered."""
     path = resolve_model_path(settings.model, settings.model_cache_dir or None)
-    model = EngineModel(settings, path)
+    model = EngineModel(settings, path, mesh_spec=mesh_spec)
+    world = mesh_spec.world_size if mesh_spec is not None else 1
     metrics = Metrics(
         registry or CollectorRegistry(),
         model.table,
         info={"model": model.name, "dtype": model.dtype, "threads": str(model.num_threads), "device": settings.device,
-              "compile_backend": settings.compile_backend},
+              "compile_backend": settings.compile_backend, "tensor_parallel_size": str(settings.tensor_parallel_size),
+              "world_size": str(world)},
+        world_size=world,
     )
     model.metrics = SafeHooks(metrics)
     if settings.lengths_file:
@@ -81,21 +87,42 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve_main(settings: ServerSettings) -> int:
+    return run_ranked(settings, lambda spec, launch: _serve(settings, spec, launch))
+
+
+def _serve(settings: ServerSettings, mesh_spec: MeshSpec | None, launch: RankLaunch) -> int:
+    """Rank 0 (or the only process): HTTP, scheduler and engine. Returns 1 when the mesh broke."""
     from server.app import create_app
+    from server.tp_watchdog import MeshWatchdog
 
     disable_created_metrics()  # no *_created series: half the lines, none of the value
-    engine, metrics = build_engine(settings)
+    engine, metrics = build_engine(settings, mesh_spec=mesh_spec)
+    if mesh_spec is not None:
+        log.info("tensor-parallel mesh: %s; rank 0 serves HTTP", mesh_spec.describe())
     app = create_app(engine, settings, metrics)
     # log_config=None: uvicorn's loggers propagate to our handlers (text or JSON); no access log, since
     # the engine writes one line per request with the facts that matter (bucket, tokens, TTFT, status).
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, engine, settings.drain_timeout)
-    asyncio.run(server.serve())
+    watchdog = None
+    if mesh_spec is not None:
+        watchdog = MeshWatchdog(engine, launch, lambda: setattr(server, "should_exit", True))
+        watchdog.start()
+    try:
+        asyncio.run(server.serve())
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+    failed = watchdog is not None and watchdog.failure is not None
+    if failed:
+        log.error("exiting with status 1: %s", watchdog.failure if watchdog else "")
     if engine.thread_busy:
         # Stopped during warm-up while a graph compiles: nothing can interrupt it, and Python's exit would
         # join inductor's compile pools (minutes). Builder processes are already gone (cancel_warmup).
         log.warning("exiting during warm-up; the graph being compiled is abandoned")
         logging.shutdown()
-        os._exit(0)
+        os._exit(1 if failed else 0)
+    if failed:
+        return 1
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.bench.fake_openai import FIRST_DELAY, MODEL, SLOW_DELAY, FakeServer, header_bucket
+from tests.bench.fake_openai import FIRST_DELAY, MODEL, SLOW_DELAY, FakeServer, header_bucket, running_fake_server
 
 from bench.cli import main
 from bench.client import ApiMode
@@ -109,3 +109,13 @@ def test_run_against_a_dead_url_reports_failure(tmp_path: Path) -> None:
     assert rc == 1
     doc = json.loads((tmp_path / "result.json").read_text())
     assert "tokenize" in doc["targets"][0]["error"]
+
+
+def test_replicas_share_the_clients_of_a_level() -> None:
+    """Data parallel: with two URLs, clients alternate between them and each replica serves its share."""
+    with running_fake_server() as first, running_fake_server() as second:
+        prompts = [Prompt(i, f"w{i}", (5, 6, 7), 3, 3) for i in range(8)]
+        run = run_level_sync([first.url, second.url], prompts, ApiMode(model=MODEL), 2)
+        assert all(r.ok for r in run.results) and len(run.results) == 8
+        served = (len(first.state.requests), len(second.state.requests))
+        assert sum(served) == 8 and min(served) >= 2, served
