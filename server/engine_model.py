@@ -246,6 +246,8 @@ class EngineModel:
         source = ""
         if record is not None and record.key == key:
             source = {True: " (from cache)", False: " (compiled)", None: " (compiled)"}[record.cache_hit]
+            if record.cache_hit is False and record.seconds > seconds + 1.0:  # loaded here, compiled by a builder
+                source = f" (compiled; {record.seconds:.1f} s in a builder process)"
         log.info("warm-up %d/%d %s %.2f s%s", done, total, key, seconds, source)
         # Against the whole table: a partial warm-up (tests, `generate`) must not look complete.
         self.metrics.warmup_progress(done, self.table.num_graphs)
