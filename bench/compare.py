@@ -16,6 +16,7 @@ from bench.servers import (
     RunningServer,
     ServerCommand,
     ServerError,
+    ServerGroup,
     bucketserve_command,
     llama_command,
     transformers_command,
@@ -80,6 +81,19 @@ class Comparison:
             extra += ["--batch-sizes", ",".join(str(b) for b in batch_buckets_up_to(seqs))]
         return extra
 
+    def commands(self, name: str) -> list[ServerCommand]:
+        """The processes of one target: two replicas for bucketserve-dp2, else one server. The layouts get the
+        same cores as the single server: each TP rank, and each replica, gets half of --threads."""
+        threads = int(getattr(self.args, "threads", 0))
+        half = max(1, threads // 2) if threads > 0 else 0
+        if name == "bucketserve-tp2":
+            extra = self._bucketserve_extra() + ["--tensor-parallel-size", "2"]
+            return [bucketserve_command(self.files.bucketserve, half, extra, name=name)]
+        if name == "bucketserve-dp2":
+            return [bucketserve_command(self.files.bucketserve, half, self._bucketserve_extra(), name=f"{name}-{i}")
+                    for i in range(2)]
+        return [self.command(name)]
+
     def command(self, name: str) -> ServerCommand:
         a = self.args
         threads = int(getattr(a, "threads", 0))
@@ -126,15 +140,19 @@ def run_compare(
     for name in names:
         url = ""
         try:
-            cmd = comparison.command(name)
-            url = cmd.url
-            log(f"[bench] starting {name}: {shlex.join(cmd.argv)}")
-            with RunningServer(cmd, out_dir / "logs" / f"{name}.log") as server:
-                ready = server.wait_ready(ready_timeout)
+            cmds = comparison.commands(name)
+            url = cmds[0].url
+            with ServerGroup([]) as group:  # stops whatever of it started, whatever happens
+                for cmd in cmds:
+                    log(f"[bench] starting {cmd.name}: {shlex.join(cmd.argv)}")
+                    group.servers.append(RunningServer(cmd, out_dir / "logs" / f"{cmd.name}.log"))
+                servers = group.servers
+                ready = group.wait_ready(ready_timeout)
                 log(f"[bench] {name} ready after {ready:.1f} s")
                 if prompts is None:
                     prompts, probes = make_prompts(url, comparison.local_tokenizer)
-                run = run_target(name, url, prompts, opts, server, ready, probes)
+                server: RunningServer | ServerGroup = servers[0] if len(servers) == 1 else group
+                run = run_target(name, url, prompts, opts, server, ready, probes, replicas=tuple(group.urls[1:]))
                 log(f"[bench] {name} done" + (f": {run.summary['error']}" if run.summary.get("error") else ""))
             targets.append(run)
         except SkipServer as exc:

@@ -6,6 +6,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import httpx
 
@@ -35,7 +36,7 @@ async def _one(
 
 
 async def run_level(
-    base_url: str,
+    base_url: str | Sequence[str],
     prompts: list[Prompt],
     mode: ApiMode,
     concurrency: int,
@@ -44,7 +45,9 @@ async def run_level(
     max_seconds: float = 0.0,
     headers: dict[str, str] | None = None,
 ) -> LevelRun:
-    """Send every prompt once with `concurrency` clients; stop issuing after `max_seconds` (0 = no limit)."""
+    """Send every prompt once with `concurrency` clients; stop issuing after `max_seconds` (0 = no limit).
+    Several URLs (replicas): client i always talks to URL i mod n, as a per-connection load balancer would."""
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
     if concurrency < 1:
         raise ValueError(f"concurrency must be positive, got {concurrency}")
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
@@ -54,18 +57,18 @@ async def run_level(
     deadline = start + max_seconds if max_seconds > 0 else math.inf
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, headers=headers or {}) as client:
 
-        async def worker() -> None:
+        async def worker(url: str) -> None:
             while pending and time.perf_counter() < deadline:
-                results.append(await _one(client, base_url, pending.pop(), mode, timeout))
+                results.append(await _one(client, url, pending.pop(), mode, timeout))
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(urls[i % len(urls)]) for i in range(concurrency)))
     end = max((r.start + (r.e2e or 0.0) for r in results), default=time.perf_counter())
     results.sort(key=lambda r: r.index)
     return LevelRun(concurrency, results, max(end - start, 0.0), issued_all=not pending)
 
 
 def run_level_sync(
-    base_url: str,
+    base_url: str | Sequence[str],
     prompts: list[Prompt],
     mode: ApiMode,
     concurrency: int,

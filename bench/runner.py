@@ -16,7 +16,7 @@ from bench import scrape as scr
 from bench.client import ApiMode, RequestResult
 from bench.loadgen import LevelRun, run_level_sync, send_one
 from bench.prompts import Prompt
-from bench.servers import RunningServer
+from bench.servers import RunningServer, ServerGroup
 from bench.stats import level_stats
 
 
@@ -118,12 +118,16 @@ def run_target(
     base_url: str,
     prompts: list[Prompt],
     opts: RunOptions,
-    server: RunningServer | None = None,
+    server: RunningServer | ServerGroup | None = None,
     ready_seconds: float | None = None,
     probes: list[Prompt] | None = None,
+    replicas: tuple[str, ...] = (),
 ) -> TargetRun:
+    """`replicas`: more URLs of the same model (data parallel); the levels spread their clients over
+    base_url and these, and their metrics are summed."""
     headers = dict(opts.headers)
-    before = scr.scrape(base_url, headers)
+    urls = (base_url, *replicas)
+    before = scr.scrape_all(urls, headers)
     model = opts.served_model or discover_model(base_url, headers)
     mode, first, notes = probe_mode(base_url, prompts[0], opts, model)
     summary: dict[str, Any] = {
@@ -151,11 +155,13 @@ def run_target(
     else:
         for prompt in prompts[1 : opts.warmup_requests]:
             send_one(base_url, prompt, mode, opts.timeout, headers)
+        for url in replicas:  # each replica's first request, untimed
+            send_one(url, prompts[0], mode, opts.timeout, headers)
         cpu: list[float | None] = []
         for c in opts.concurrency:
             cpu_before = server.cpu_seconds() if server is not None else None
             run = run_level_sync(
-                base_url, prompts, mode, c, timeout=opts.timeout, max_seconds=opts.max_seconds, headers=headers
+                list(urls), prompts, mode, c, timeout=opts.timeout, max_seconds=opts.max_seconds, headers=headers
             )
             cpu_after = server.cpu_seconds() if server is not None else None
             # CPU-seconds the server used per second of wall time: an engine quietly using a second core shows.
@@ -166,7 +172,7 @@ def run_target(
                 notes.append(f"concurrency {c}: time limit reached after {len(run.results)} of {len(prompts)} requests")
         if probes:
             summary["ttft_probe"] = ttft_probe(base_url, probes, mode, opts, headers)
-    after = scr.scrape(base_url, headers)
+    after = scr.scrape_all(urls, headers)
     summary["recompilations"] = scr.delta(before.recompilations, after.recompilations)
     summary["serving_compilations"] = scr.delta(before.serving_compilations, after.serving_compilations)
     summary["peak_rss_bytes"] = server.peak_rss_bytes() if server is not None else None

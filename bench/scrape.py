@@ -91,6 +91,22 @@ def scrape(base_url: str, headers: dict[str, str] | None = None, timeout: float 
     return snapshot(parse_prometheus(resp.text))
 
 
+def scrape_all(urls: tuple[str, ...], headers: dict[str, str] | None = None) -> MetricsSnapshot:
+    """One snapshot of replicas: counters summed, warm-up the slowest replica's; one URL is plain `scrape`."""
+    snaps = [scrape(url, headers) for url in urls]
+    if len(snaps) == 1:
+        return snaps[0]
+    if not all(s.available for s in snaps):
+        return snapshot(None)
+
+    def total(values: list[float | None]) -> float | None:
+        return None if all(v is None for v in values) else sum(v or 0.0 for v in values)
+
+    warm = [s.warmup_seconds for s in snaps if s.warmup_seconds is not None]
+    return MetricsSnapshot(True, all(s.is_bucketserve for s in snaps), max(warm) if warm else None,
+                           total([s.recompilations for s in snaps]), total([s.serving_compilations for s in snaps]))
+
+
 def delta(before: float | None, after: float | None) -> float | None:
     """Counter increase over the run; a counter that appears only afterwards started from zero."""
     if after is None:

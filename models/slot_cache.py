@@ -199,8 +199,14 @@ class SlotStorage:
         max_prefill_length: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        tp_size: int = 1,
     ) -> None:
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(config)
+        self.num_layers, num_kv_heads, self.head_dim = kv_geometry(config)
+        # Tensor parallel: each rank's k_proj / v_proj produce its share of the KV heads (the config keeps
+        # the global count), so the cache holds H / tp heads.
+        if num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads do not divide by the tensor-parallel size {tp_size}")
+        self.num_kv_heads = num_kv_heads // tp_size
         self.layer_types = layer_types(config)
         self.max_slots = max_slots
         self.context_length = context_length

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.servers import RunningServer, bucketserve_command  # noqa: E402
 
-WARM_LINE = re.compile(r"warm-up (\d+)/(\d+) (\S+) ([\d.]+) s \((from cache|compiled)\)")
+# "(compiled; 68.1 s in a builder process)": loaded here in the logged seconds, compiled by a builder
+WARM_LINE = re.compile(r"warm-up (\d+)/(\d+) (\S+) ([\d.]+) s \((from cache|compiled)(?:; ([\d.]+) s in a builder)?")
 
 
 def stream_tokens_per_second(url: str, tokens: int = 64) -> float:
@@ -49,11 +50,13 @@ def one_start(name: str, argv_extra: list[str], log: Path, threads: int) -> dict
     with RunningServer(cmd, log) as server:
         ready = server.wait_ready(3600, poll=0.1)
         tps = statistics.median(stream_tokens_per_second(cmd.url) for _ in range(3))
-    graphs = [{"graph": m[3], "seconds": float(m[4]), "source": m[5]}
+    graphs = [{"graph": m[3], "seconds": float(m[4]), "source": m[5],
+               "builder_seconds": float(m[6]) if m[6] else None}
               for m in WARM_LINE.finditer(log.read_text(errors="replace"))]
     return {"ready_seconds": round(ready, 2), "decode_tokens_per_second": round(tps, 1), "graphs": graphs,
             "compiled": sum(g["source"] == "compiled" for g in graphs),
-            "graph_seconds": round(sum(g["seconds"] for g in graphs), 2)}
+            "graph_seconds": round(sum(g["seconds"] for g in graphs), 2),
+            "builder_graph_seconds": round(sum(g["builder_seconds"] or 0.0 for g in graphs), 2)}
 
 
 def main() -> int:

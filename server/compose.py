@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from buckets import BucketTable
 from models.loading import resolve_model_path
+from models.mesh import MeshSpec
 from server.config import ServerSettings
 from server.engine.engine import Engine
 from server.engine.model import EngineModel
@@ -22,20 +23,24 @@ log = logging.getLogger("bucketserve.serve")
 
 
 def build_model(settings: ServerSettings, model_path: str | None = None, *, table: BucketTable | None = None,
-                hooks: MetricsHooks | None = None) -> EngineModel:
+                hooks: MetricsHooks | None = None, mesh_spec: MeshSpec | None = None) -> EngineModel:
     """The model the engine thread drives, unloaded: path resolved (downloaded if need be), tokenizer, config
-    and bucket table read. `table` overrides the settings' table (tests); `hooks` receive its metrics."""
+    and bucket table read. `table` overrides the settings' table (tests); `hooks` receive its metrics;
+    `mesh_spec` makes it one rank of a tensor-parallel mesh."""
     path = model_path or resolve_model_path(settings.model, settings.model_cache_dir or None)
-    return EngineModel(settings, path, metrics=hooks, table=table)
+    return EngineModel(settings, path, metrics=hooks, table=table, mesh_spec=mesh_spec)
 
 
 def build_metrics(settings: ServerSettings, model: EngineModel, registry: CollectorRegistry | None = None) -> Metrics:
     """Every Prometheus series, registered in `registry` (a fresh one by default)."""
+    world = model.mesh_spec.world_size if model.mesh_spec is not None else 1
     return Metrics(
         registry or CollectorRegistry(),
         model.table,
         info={"model": model.name, "dtype": model.dtype, "threads": str(model.num_threads), "device": settings.device,
-              "compile_backend": settings.compile_backend},
+              "compile_backend": settings.compile_backend, "tensor_parallel_size": str(settings.tensor_parallel_size),
+              "world_size": str(world)},
+        world_size=world,
     )
 
 
@@ -46,9 +51,10 @@ def engine_for(settings: ServerSettings, model: EngineModel, hooks: MetricsHooks
                   metrics=hooks, batching=settings.batching, log_prompts=settings.log_prompts)
 
 
-def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = None) -> tuple[Engine, Metrics]:
+def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = None,
+                 mesh_spec: MeshSpec | None = None) -> tuple[Engine, Metrics]:
     """Everything the app needs, unstarted: model path resolved, tokenizer and table loaded, metrics registered."""
-    model = build_model(settings)
+    model = build_model(settings, mesh_spec=mesh_spec)
     metrics = build_metrics(settings, model, registry)
     model.metrics = SafeHooks(metrics)
     if settings.lengths_file:

@@ -68,6 +68,11 @@ class ServerSettings:
     log_prompts: bool = False
     lengths_file: str = ""
     model_cache_dir: str = ""  # where the default model is converted to; "" -> ~/.cache/bucketserve
+    # Tensor parallel: this many ranks, each with 1/N of the weights (started here, or by torchrun).
+    tensor_parallel_size: int = 1
+    # Seconds a rank may take to join the mesh, or to answer a collective while serving; a rank past it is
+    # broken and the server exits non-zero (warm-up allows models.mesh.WARMUP_TIMEOUT for compile skew).
+    tp_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         _choice("device", self.device, ("cpu", "cuda", "neuron"))
@@ -89,6 +94,10 @@ class ServerSettings:
         if self.prefill_chunk_size < -1:
             raise SettingsError(
                 f"prefill_chunk_size must be -1 (auto), 0 (off) or positive, got {self.prefill_chunk_size}")
+        if self.tensor_parallel_size < 1:
+            raise SettingsError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.tp_timeout > 0:
+            raise SettingsError(f"tp_timeout must be positive, got {self.tp_timeout}")
         if self.num_threads < 0:
             raise SettingsError(f"num_threads must be >= 0, got {self.num_threads}")
         if any(not key.strip() for key in self.api_keys):
@@ -192,6 +201,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-prompts", action="store_true", default=d.log_prompts)
     parser.add_argument("--lengths-file", default=d.lengths_file)
     parser.add_argument("--model-cache-dir", default=d.model_cache_dir)
+    parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                        help="split the model across N ranks (started here; under torchrun, its ranks)")
+    parser.add_argument("--tp-timeout", type=float, default=d.tp_timeout,
+                        help="seconds a rank may take to join or to answer while serving before the server exits")
 
 
 _BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts", "inductor_freezing"}

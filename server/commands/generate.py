@@ -9,13 +9,20 @@ import time
 
 from buckets import GraphKey, PromptTooLongError
 from models.generator import generate_one
+from models.mesh import MeshSpec
 from models.sampling import SamplingError, SamplingParams
 from server.compose import build_model
 from server.config import ServerSettings
 
 
 def generate_main(settings: ServerSettings, args: argparse.Namespace) -> int:
-    model = build_model(settings)
+    from server.commands.tp_launch import run_ranked  # tensor parallel: rank 0 generates, the other ranks follow
+
+    return run_ranked(settings, lambda spec, launch: _generate_lead(args, settings, spec))
+
+
+def _generate_lead(args: argparse.Namespace, settings: ServerSettings, mesh_spec: MeshSpec | None) -> int:
+    model = build_model(settings, mesh_spec=mesh_spec)
     tok = model.tokenizer
     if args.chat:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
@@ -29,6 +36,7 @@ def generate_main(settings: ServerSettings, args: argparse.Namespace) -> int:
         bucket = model.table.check_request(len(ids), params.max_tokens)
     except (SamplingError, PromptTooLongError) as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
+        model.close()
         return 2
     t0 = time.monotonic()
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from models.artifacts import GraphStore
 from models.compile import CompileRecord
+from models.mesh import MeshSpec
 from server.compose import build_model
 from server.config import ServerSettings
 from server.engine.model import EngineModel
@@ -22,7 +23,13 @@ log = logging.getLogger("bucketserve.precompile")
 
 
 def precompile_main(settings: ServerSettings) -> int:
-    model = build_model(settings)
+    from server.commands.tp_launch import run_ranked  # tensor parallel: every rank warms its graphs
+
+    return run_ranked(settings, lambda spec, launch: _precompile(settings, spec))
+
+
+def _precompile(settings: ServerSettings, mesh_spec: MeshSpec | None) -> int:
+    model = build_model(settings, mesh_spec=mesh_spec)
     model.load_and_warm()
     manifest = {
         "model": model.name,
@@ -34,6 +41,7 @@ def precompile_main(settings: ServerSettings) -> int:
         "buckets": model.table.to_dict(),
         "graphs": [_graph_entry(model, r) for r in model.accountant.records],
         "warmup_seconds": round(model.progress.seconds, 3),
+        "mesh": model.mesh_info(),
         "process_seconds": _process_age(),
     }
     print(json.dumps(manifest, indent=2))

@@ -18,6 +18,8 @@ from typing import Any
 import uvicorn
 from prometheus_client import disable_created_metrics
 
+from models.mesh import MeshSpec
+from server.commands.tp_launch import RankLaunch, run_ranked
 from server.compose import build_engine
 from server.config import ServerSettings
 from server.engine.engine import Engine
@@ -57,21 +59,42 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve_main(settings: ServerSettings) -> int:
+    return run_ranked(settings, lambda spec, launch: _serve(settings, spec, launch))
+
+
+def _serve(settings: ServerSettings, mesh_spec: MeshSpec | None, launch: RankLaunch) -> int:
+    """Rank 0 (or the only process): HTTP, scheduler and engine. Returns 1 when the mesh broke."""
+    from server.commands.tp_watchdog import MeshWatchdog
     from server.http.app import create_app
 
     disable_created_metrics()  # no *_created series: half the lines, none of the value
-    engine, metrics = build_engine(settings)
+    engine, metrics = build_engine(settings, mesh_spec=mesh_spec)
+    if mesh_spec is not None:
+        log.info("tensor-parallel mesh: %s; rank 0 serves HTTP", mesh_spec.describe())
     app = create_app(engine, settings, metrics)
     # log_config=None: uvicorn's loggers propagate to our handlers (text or JSON); no access log, since
     # the engine writes one line per request with the facts that matter (bucket, tokens, TTFT, status).
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, engine, settings.drain_timeout)
-    asyncio.run(server.serve())
+    watchdog = None
+    if mesh_spec is not None:
+        watchdog = MeshWatchdog(engine, launch, lambda: setattr(server, "should_exit", True))
+        watchdog.start()
+    try:
+        asyncio.run(server.serve())
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+    failed = watchdog is not None and watchdog.failure is not None
+    if failed:
+        log.error("exiting with status 1: %s", watchdog.failure if watchdog else "")
     if engine.thread_busy:
         # Stopped during warm-up while a graph compiles: nothing can interrupt it, and Python's exit would
         # join inductor's compile pools (minutes). Builder processes are already gone (cancel_warmup).
         log.warning("exiting during warm-up; the graph being compiled is abandoned")
         logging.shutdown()
-        os._exit(0)
+        os._exit(1 if failed else 0)
+    if failed:
+        return 1
     return 0

@@ -16,6 +16,7 @@ from collections import deque
 
 from buckets import PromptTooLongError
 from buckets.scheduler import ChunkStep, PrefillStep, Scheduler, Sequence, Step
+from models.mesh import MeshError
 from models.runner import WarmupCancelled
 from models.sampling import SampledToken, SamplingParams
 from server.engine.active_request import ActiveRequest
@@ -109,6 +110,16 @@ class Engine:
         for request_id in ids:
             self.abort(request_id, reason, message)
 
+    def fail(self, message: str) -> None:
+        """From any thread: the engine cannot go on (a tensor-parallel rank is gone). /health turns 503 and
+        every request ends with an error, even while the engine thread is stuck in a collective."""
+        with self._lock:
+            if self._failed is None:
+                self._failed = message
+        log.error("engine failed: %s", message)
+        self.metrics.set_ready(False)
+        self._fail_all(message)
+
     def wait_idle(self, timeout: float) -> bool:
         """Block until no request is waiting or running (used by graceful drain)."""
         deadline = time.monotonic() + timeout
@@ -123,7 +134,7 @@ class Engine:
     def progress(self) -> WarmupProgress:
         p = self.model.progress
         return WarmupProgress(p.done, p.total, p.seconds, self.model.is_ready and not self._draining,
-                              self._draining, self._failed or self._not_ready)
+                              self._draining, self._failed or self._not_ready, self.model.mesh_info())
 
     def is_ready(self) -> bool:
         return self.model.is_ready and not self._draining and self.is_alive()
@@ -222,8 +233,9 @@ class Engine:
             return
         try:
             while True:
+                self.model.tick()  # tensor parallel: heartbeat the followers when idle
                 with self._wake:
-                    if self._stopping:
+                    if self._stopping or self._failed is not None:
                         return
                     expired = self._expire_deadlines()
                     step = None if expired else self._scheduler.schedule()
@@ -242,9 +254,7 @@ class Engine:
                         self.metrics.decode_stalled(time.monotonic() - t0)
         except Exception as exc:  # noqa: BLE001 - the engine cannot continue: /health turns 503
             log.exception("engine loop failed")
-            self._failed = f"{type(exc).__name__}: {exc}"
-            self.metrics.set_ready(False)
-            self._fail_all(self._failed)
+            self.fail(f"{type(exc).__name__}: {exc}")
         finally:
             self.model.close()
 
@@ -268,6 +278,8 @@ class Engine:
     def _run(self, step: Step, prompts: dict[str, list[int]]) -> None:
         try:
             logits = self.model.run_step(step, prompts.__getitem__)
+        except MeshError:
+            raise  # the ranks are out of step: the engine cannot go on
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
             log.exception("step %s failed", type(step).__name__)
             for seq in step.seqs:

@@ -88,6 +88,7 @@ class WarmupProgress:
     ready: bool
     draining: bool
     failed: str | None
+    mesh: dict[str, Any] | None = None  # tensor parallel: layout and per-rank compilations
 
 
 @dataclass(eq=False)

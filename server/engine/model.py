@@ -22,9 +22,12 @@ from models.compile import CompileAccountant, CompileRecord, CompileSettings, ca
 from models.graph_builder import BuildSpec, ProcessBuilder
 from models.hardware import resolve_compile_workers, resolve_dtype, resolve_num_threads
 from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
+from models.mesh import MeshSpec
 from models.runner import ModelRunner, PrefillRow
 from models.sampling import SampledToken, Sampler, SamplingParams
+from models.step_plan import rank_runner
 from server.config import ServerSettings
+from server.engine.mesh import EngineMesh
 from server.engine.step_sampling import StepLogits, sample_step
 from server.metrics.hooks import MetricsHooks, SafeHooks
 
@@ -54,7 +57,7 @@ class WarmupCounter:
 
 class EngineModel:
     def __init__(self, settings: ServerSettings, model_path: str, metrics: MetricsHooks | None = None,
-                 table: BucketTable | None = None) -> None:
+                 table: BucketTable | None = None, mesh_spec: MeshSpec | None = None) -> None:
         from transformers import AutoConfig
 
         self.settings = settings
@@ -79,6 +82,8 @@ class EngineModel:
         self.accountant = CompileAccountant(on_compile=self._on_compile, on_refused=self._on_refused,
                                             on_rejected=self._on_rejected)
         self._ready = threading.Event()
+        self.mesh_spec = mesh_spec
+        self.mesh = EngineMesh(mesh_spec) if mesh_spec is not None else None  # tensor parallel
         self._cancel = threading.Event()  # set by the engine's stop: a warm-up in progress ends early
         self._builder: ProcessBuilder | None = None
 
@@ -94,16 +99,10 @@ class EngineModel:
         """Load weights and warm `keys` (default: every graph of the table)."""
         s = self.settings
         torch.set_num_threads(self.num_threads)
-        t0 = time.monotonic()
         prewarm = prewarm_inductor(self.compile_cache_dir()) if s.compile_backend == "inductor" else None
-        model = load_model(self.path, self.dtype, s.device)
-        log.info("loaded %s (%s, %s, %d compute threads) in %.1f s", self.name, self.dtype, s.device,
-                 self.num_threads, time.monotonic() - t0)
         compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
                                            s.inductor_freezing)
-        if prewarm is not None:
-            prewarm.join()
-        self.runner = ModelRunner(model, self.table, compile_settings, self.accountant)
+        self.runner = self.build_runner(compile_settings, prewarm)
         log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, context %d: "
                  "%d graphs", list(self.table.lengths), list(self.table.batch_sizes),
                  list(self.table.prefill_batch_sizes), list(self.table.kv_lengths), self.table.context_length,
@@ -119,7 +118,9 @@ class EngineModel:
         if keys is not None:
             self.progress.total = len(keys)
         # Builders only help a cold start of saved graphs (inductor without freezing, with a cache directory).
-        builders = resolve_compile_workers(s.compile_workers) - 1 if self.runner.store is not None else 0
+        # Builders only help a cold start of saved graphs; a tensor-parallel rank's graphs need the mesh: none.
+        builders = resolve_compile_workers(s.compile_workers) - 1 if self.runner.store is not None and \
+            self.mesh is None else 0
         spec = BuildSpec(self.path, self.dtype, s.device, self.table, compile_settings, self.num_threads)
         with ProcessBuilder(spec, builders) as builder:
             self._builder = builder
@@ -136,9 +137,35 @@ class EngineModel:
             missing = [str(r.key) for r in self.accountant.records if not r.cache_hit]
             if missing:
                 raise CacheMissingError(f"{len(missing)} graphs were not in the compile cache: {', '.join(missing)}")
+        if self.mesh is not None:
+            self.mesh.warmed(self.runner, self.metrics)
         self.metrics.warmup_finished(seconds)
         self.metrics.set_ready(True)
         self._ready.set()
+
+    def build_runner(self, compile_settings: CompileSettings | None = None, prewarm: Any = None) -> ModelRunner:
+        """Load the weights (under tensor parallelism: join the mesh, load this rank's shard) and the runner."""
+        s = self.settings
+        if compile_settings is None:
+            compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
+                                               s.inductor_freezing)
+        torch.set_num_threads(self.num_threads)
+        t0 = time.monotonic()
+        model = self.mesh.load(self.path, self.dtype) if self.mesh else load_model(self.path, self.dtype, s.device)
+        if prewarm is not None:
+            prewarm.join()
+        log.info("loaded %s (%s, %s, %d compute threads%s) in %.1f s", self.name, self.dtype, s.device,
+                 self.num_threads, self.mesh.note if self.mesh else "", time.monotonic() - t0)
+        return rank_runner(model, self.table, compile_settings, self.accountant, self.mesh.mesh if self.mesh else None)
+
+    def tick(self) -> None:
+        """Engine thread, between steps: under tensor parallelism an idle rank 0 heartbeats the followers."""
+        if self.mesh is not None and self.is_ready:
+            self.mesh.tick(self.runner, self.metrics)
+
+    def mesh_info(self) -> dict[str, Any] | None:
+        """The mesh for /ready: layout and each rank's compilations (None without a mesh)."""
+        return self.mesh.info() if self.mesh is not None else None
 
     def compile_cache_dir(self) -> str:
         """The keyed subdirectory of --compile-cache-dir for this model, dtype, device, buckets and versions."""
@@ -154,6 +181,8 @@ class EngineModel:
                  "dtype": self.dtype, "device": self.settings.device,
                  "backend": self.settings.compile_backend, "freezing": self.settings.inductor_freezing,
                  "buckets": self.table.to_dict(), "threads": self.num_threads}
+        if self.mesh_spec is not None:  # each rank compiles graphs over its own shard
+            parts["tensor_parallel"] = [self.mesh_spec.tp_size, self.mesh_spec.rank]
         return os.path.join(root, cache_key(parts))
 
     def run_step(self, step: Step, prompt_of: Callable[[str], list[int]]) -> StepLogits:
@@ -207,6 +236,8 @@ class EngineModel:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.stop_serving()
+        if self.mesh is not None:
+            self.mesh.close(self.runner)
 
     # -- callbacks -------------------------------------------------------------------------------------
     def _on_warm(self, key: Any, seconds: float, done: int, total: int) -> None:
@@ -215,6 +246,8 @@ class EngineModel:
         source = ""
         if record is not None and record.key == key:
             source = {True: " (from cache)", False: " (compiled)", None: " (compiled)"}[record.cache_hit]
+            if record.cache_hit is False and record.seconds > seconds + 1.0:  # loaded here, compiled by a builder
+                source = f" (compiled; {record.seconds:.1f} s in a builder process)"
         log.info("warm-up %d/%d %s %.2f s%s", done, total, key, seconds, source)
         # Against the whole table: a partial warm-up (tests, `generate`) must not look complete.
         self.metrics.warmup_progress(done, self.table.num_graphs)
@@ -228,6 +261,8 @@ class EngineModel:
     def _on_compile(self, record: CompileRecord) -> None:
         if record.key is None:
             return
+        rank = self.mesh_spec.rank if self.mesh_spec is not None else 0
+        self.metrics.rank_compilations(rank, self.accountant.count("warmup"), self.accountant.count("serving"))
         self.metrics.graph_compiled(record.key, record.seconds, record.phase)
         if record.cache_hit is not None:
             self.metrics.compile_cache(record.cache_hit)

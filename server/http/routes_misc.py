@@ -35,6 +35,8 @@ async def ready(request: Request) -> Response:
         "draining": progress.draining,
         "failed": progress.failed,
     }
+    if progress.mesh is not None:
+        body["mesh"] = progress.mesh
     if state.engine.is_ready():
         body["ready"] = True
         return JSONResponse(body)

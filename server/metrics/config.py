@@ -18,7 +18,7 @@ INFO_REQUIRED = ("model", "dtype", "device", "compile_backend")
 INFO_FROM_TABLE = ("lengths", "batch_sizes", "prefill_batch_sizes", "kv_lengths", "context_length")
 # Bounded label vocabularies; a value outside them is a programming error (ValueError).
 COMPILE_PHASES = ("warmup", "serving")
-RECOMPILE_REASONS = ("unwarmed_shape", "guard_failure")
+RECOMPILE_REASONS = ("unwarmed_shape", "guard_failure", "other_rank")  # other_rank: a tensor-parallel follower
 ARTIFACT_REJECT_REASONS = ("corrupt", "stale")
 REJECT_REASONS = ("queue_full", "not_ready", "draining")
 ABORT_REASONS = ("client", "timeout", "drain", "error", "stop_string")

@@ -30,6 +30,7 @@ class MetricsHooks(Protocol):
     def set_ready(self, ready: bool) -> None: ...
     def artifact_rejected(self, reason: str) -> None: ...
     def compile_cache(self, hit: bool) -> None: ...
+    def rank_compilations(self, rank: int, warmup: int, serving: int) -> None: ...
 
     # -- steps and requests (engine thread) --------------------------------------------------
     def prefill_done(self, key: GraphKey, rows: int, padding_tokens: int, seconds: float) -> None: ...
@@ -79,6 +80,9 @@ class NoMetrics:
         return None
 
     def compile_cache(self, hit: bool) -> None:
+        return None
+
+    def rank_compilations(self, rank: int, warmup: int, serving: int) -> None:
         return None
 
     def prefill_done(self, key: GraphKey, rows: int, padding_tokens: int, seconds: float) -> None:
@@ -183,6 +187,12 @@ class SafeHooks:
             self._hooks.compile_cache(hit)
         except Exception:  # noqa: BLE001 - see the module docstring
             self._failed_once("compile_cache")
+
+    def rank_compilations(self, rank: int, warmup: int, serving: int) -> None:
+        try:
+            self._hooks.rank_compilations(rank, warmup, serving)
+        except Exception:  # noqa: BLE001 - see the module docstring
+            self._failed_once("rank_compilations")
 
     def prefill_done(self, key: GraphKey, rows: int, padding_tokens: int, seconds: float) -> None:
         try:

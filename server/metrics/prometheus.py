@@ -68,6 +68,7 @@ class Metrics:
         info: dict[str, str],
         latency_buckets: tuple[float, ...] | None = None,
         config: MetricsConfig | None = None,
+        world_size: int = 1,
     ) -> None:
         if latency_buckets is not None and config is not None:
             raise MetricsConfigError("give latency_buckets or config, not both")
@@ -110,6 +111,11 @@ class Metrics:
         self._graphs_total.set(table.num_graphs)
         self._cache_hits = counter("compile_cache_hits_total", "Graphs loaded from the compile cache.")
         self._cache_misses = counter("compile_cache_misses_total", "Graphs not found in the compile cache.")
+        # Tensor parallel: each rank's compilations (rank 0's own, the followers' as their heartbeats report).
+        rank_compiles = Gauge(PREFIX + "rank_compilations", "Graphs compiled per tensor-parallel rank and phase.",
+                              ("rank", "phase"), registry=registry)
+        self._rank_compiles = {(r, ph): rank_compiles.labels(str(r), ph)
+                               for r in range(world_size) for ph in COMPILE_PHASES}
         rejected = counter("compile_artifacts_rejected_total",
                            "Saved graph artifacts found unusable at warm-up and rebuilt, by reason.", ("reason",))
         self._rejected = {r: rejected.labels(r) for r in ARTIFACT_REJECT_REASONS}
@@ -193,6 +199,12 @@ class Metrics:
     def warmup_finished(self, seconds: float) -> None:
         _check_seconds("seconds", seconds)
         self._warmup_seconds.set(seconds)
+
+    def rank_compilations(self, rank: int, warmup: int, serving: int) -> None:
+        _check_count("warmup", warmup)
+        _check_count("serving", serving)
+        _pick(self._rank_compiles, (rank, "warmup"), "rank").set(warmup)
+        self._rank_compiles[(rank, "serving")].set(serving)
 
     def set_ready(self, ready: bool) -> None:
         self._ready.set(1 if ready else 0)

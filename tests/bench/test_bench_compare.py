@@ -167,3 +167,21 @@ def test_cpu_seconds_counts_a_busy_process() -> None:
     finally:
         proc.wait()
     assert cpu_seconds(proc.pid) is None  # gone
+
+
+def test_layout_targets_split_the_cores(tmp_path) -> None:
+    """bucketserve-tp2: one server, two ranks of half the threads each; bucketserve-dp2: two replicas of half."""
+    import argparse
+
+    args = argparse.Namespace(threads=4, bucketserve_args="--buckets 64,128", dtype="", max_num_seqs=0)
+    files = ModelFiles(bucketserve=str(tmp_path), gguf=None, hf_source=None)
+    comparison = Comparison(args, files, tmp_path, 512)
+    (tp,) = comparison.commands("bucketserve-tp2")
+    assert tp.argv[tp.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert tp.argv[tp.argv.index("--num-threads") + 1] == "2" and ("OMP_NUM_THREADS", "2") in tp.env
+    replicas = comparison.commands("bucketserve-dp2")
+    assert len(replicas) == 2 and replicas[0].port != replicas[1].port
+    assert all(r.argv[r.argv.index("--num-threads") + 1] == "2" and "--tensor-parallel-size" not in r.argv
+               for r in replicas)
+    (single,) = comparison.commands("bucketserve")
+    assert single.argv[single.argv.index("--num-threads") + 1] == "4"

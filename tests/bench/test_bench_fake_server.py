@@ -11,7 +11,7 @@ from bench.loadgen import run_level_sync, send_one
 from bench.prompts import Prompt
 from bench.runner import RunOptions, probe_mode
 from bench.servers import free_port
-from tests.bench.fake_openai import FIRST_DELAY, MODEL, SLOW_DELAY, FakeServer, header_bucket
+from tests.bench.fake_openai import FIRST_DELAY, MODEL, SLOW_DELAY, FakeServer, header_bucket, running_fake_server
 
 
 def _prompt(n_prompt: int = 40, n_out: int = 6) -> Prompt:
@@ -108,3 +108,13 @@ def test_run_against_a_dead_url_reports_failure(tmp_path: Path) -> None:
     assert rc == 1
     doc = json.loads((tmp_path / "result.json").read_text())
     assert "tokenize" in doc["targets"][0]["error"]
+
+
+def test_replicas_share_the_clients_of_a_level() -> None:
+    """Data parallel: with two URLs, clients alternate between them and each replica serves its share."""
+    with running_fake_server() as first, running_fake_server() as second:
+        prompts = [Prompt(i, f"w{i}", (5, 6, 7), 3, 3) for i in range(8)]
+        run = run_level_sync([first.url, second.url], prompts, ApiMode(model=MODEL), 2)
+        assert all(r.ok for r in run.results) and len(run.results) == 8
+        served = (len(first.state.requests), len(second.state.requests))
+        assert sum(served) == 8 and min(served) >= 2, served

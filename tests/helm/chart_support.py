@@ -93,6 +93,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "pod-monitor": {"metrics": {"podMonitor": {"enabled": True, "interval": "30s", "scrapeTimeout": "20s"}}},
     "neuroncore": {"neuron": {"resourceName": "aws.amazon.com/neuroncore", "count": 2}},
+    "tensor-parallel": {"server": {"tensorParallelSize": 4}, "neuron": {"resourceName": "aws.amazon.com/neuroncore"}},
     "existing-claim": {"compileCache": {"existingClaim": "neff-cache"},
                        "models": {"existingClaim": "checkpoints", "readOnly": True},
                        "server": {"model": "/models/Llama-3.2-1B-Instruct", "requireCachedGraphs": True}},

@@ -21,6 +21,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bucketserve_ready": ("gauge", ()),
     "bucketserve_compile_cache_hits_total": ("counter", ()),
     "bucketserve_compile_cache_misses_total": ("counter", ()),
+    "bucketserve_rank_compilations": ("gauge", ("rank", "phase")),  # per tensor-parallel rank (rank 0 alone: TP=1)
     "bucketserve_compile_artifacts_rejected_total": ("counter", ("reason",)),
     # shapes and padding
     "bucketserve_bucket_requests_total": ("counter", ("bucket",)),

@@ -142,9 +142,12 @@ def test_neuron_placement(scenario: tuple[str, dict[str, Any], list[Manifest]]) 
         pod = workload["spec"]["template"]["spec"]
         resources = container(workload)["resources"]
         toleration = {"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"}
+        # one NeuronCore per tensor-parallel rank, else neuron.count
+        tp = values["server"]["tensorParallelSize"]
+        count = tp if tp > 1 else neuron["count"]
         if neuron["enabled"]:
-            assert resources["limits"][neuron["resourceName"]] == neuron["count"]
-            assert resources["requests"][neuron["resourceName"]] == neuron["count"]
+            assert resources["limits"][neuron["resourceName"]] == count
+            assert resources["requests"][neuron["resourceName"]] == count
             assert toleration in pod["tolerations"]
         else:
             assert not any(k.startswith("aws.amazon.com/") for k in resources.get("limits", {}))

@@ -33,6 +33,7 @@ EVERY_SETTING_CHANGED: dict[str, Any] = {
     "numThreads": 3, "protectMetrics": True,
     "maxBodyBytes": 2_000_000, "requestTimeout": 12.5, "drainTimeout": 7.25, "logFormat": "json",
     "logPrompts": True, "lengthsFile": "/models/lengths.jsonl", "modelCacheDir": "/models/cache",
+    "tensorParallelSize": 2, "tpTimeout": 30.5,
 }
 
 BAD_VALUES: dict[str, dict[str, Any]] = {
@@ -45,6 +46,9 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
     "bucket as string": {"server": {"buckets": [128, "256"]}},
     "negative drain": {"server": {"drainTimeout": -1}},
     "port out of range": {"server": {"port": 70000}},
+    "zero tensor-parallel size": {"server": {"tensorParallelSize": 0}},
+    "fractional tensor-parallel size": {"server": {"tensorParallelSize": 1.5}},
+    "zero tp timeout": {"server": {"tpTimeout": 0}},
     "gpu resource": {"neuron": {"resourceName": "nvidia.com/gpu"}},
     "cpu autoscaling": {"autoscaling": {"mode": "cpu"}},
     "zero probe period": {"probes": {"startup": {"periodSeconds": 0}}},
@@ -69,6 +73,8 @@ TEMPLATE_FAILURES: dict[str, tuple[dict[str, Any], str]] = {
         {"warmup": {"expectedSeconds": 3600}, "probes": {"startup": {"periodSeconds": 10, "failureThreshold": 300}}},
         "does not cover warmup.expectedSeconds (3600)"),
     "neuron device without the resource": ({"neuron": {"enabled": False}}, "neuron.enabled is false"),
+    "tensor parallel on whole Neuron devices": (
+        {"server": {"tensorParallelSize": 2}}, "server.tensorParallelSize 2 requests one NeuronCore per rank"),
     "neuron backend on cpu": (
         {"server": {"device": "cpu", "compileBackend": "neuron"}, "neuron": {"enabled": False}},
         "compileBackend neuron needs server.device neuron"),

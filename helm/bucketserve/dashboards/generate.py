@@ -171,6 +171,9 @@ def compilation() -> list[Panel]:
         timeseries("Graph compilations by phase", [
             target(f"sum by (phase) (bucketserve_graph_compilations_total{{{SEL}}})", "{{phase}}"),
         ], "short"),
+        timeseries("Compilations per tensor-parallel rank", [
+            target(f"max by (rank, phase) (bucketserve_rank_compilations{{{SEL}}})", "rank {{rank}} {{phase}}"),
+        ], "short", "each rank's compilations; serving must stay 0 on every rank"),
         timeseries("Compile seconds", quantile_targets("bucketserve_compile_seconds") + [
             target(f"sum(bucketserve_compile_seconds_sum{{{SEL}}})", "total", ref=3),
         ], "s"),

@@ -128,6 +128,12 @@ owns. Every entry becomes BUCKETSERVE_<UPPER_SNAKE_CASE>: one mechanical rule, s
 {{- end }}
 {{- end -}}
 
+{{/* Neuron units requested: one NeuronCore per tensor-parallel rank, else neuron.count. */}}
+{{- define "bucketserve.neuronCount" -}}
+{{- $tp := int64 .Values.server.tensorParallelSize -}}
+{{- if gt $tp 1 -}}{{- $tp -}}{{- else -}}{{- int64 .Values.neuron.count -}}{{- end -}}
+{{- end -}}
+
 {{/* requests/limits with the Neuron resource added to both (extended resources cannot be overcommitted). */}}
 {{- define "bucketserve.containerResources" -}}
 {{- $root := index . 0 -}}
@@ -135,8 +141,9 @@ owns. Every entry becomes BUCKETSERVE_<UPPER_SNAKE_CASE>: one mechanical rule, s
 {{- $requests := deepCopy (default dict $base.requests) -}}
 {{- $limits := deepCopy (default dict $base.limits) -}}
 {{- if $root.Values.neuron.enabled -}}
-{{- $_ := set $requests $root.Values.neuron.resourceName (int64 $root.Values.neuron.count) -}}
-{{- $_ := set $limits $root.Values.neuron.resourceName (int64 $root.Values.neuron.count) -}}
+{{- $count := include "bucketserve.neuronCount" $root | int64 -}}
+{{- $_ := set $requests $root.Values.neuron.resourceName $count -}}
+{{- $_ := set $limits $root.Values.neuron.resourceName $count -}}
 {{- end -}}
 {{- $out := dict -}}
 {{- if $requests -}}{{- $_ := set $out "requests" $requests -}}{{- end -}}

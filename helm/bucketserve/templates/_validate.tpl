@@ -40,6 +40,9 @@ Cross-field checks that values.schema.json cannot express. Each failure names th
 {{- if and (eq $v.server.device "neuron") (not $v.neuron.enabled) -}}
 {{- fail "server.device is neuron but neuron.enabled is false: the pod would get no Neuron device" -}}
 {{- end -}}
+{{- if and $v.neuron.enabled (gt (int64 $v.server.tensorParallelSize) 1) (ne $v.neuron.resourceName "aws.amazon.com/neuroncore") -}}
+{{- fail (printf "server.tensorParallelSize %d requests one NeuronCore per rank: set neuron.resourceName to aws.amazon.com/neuroncore (got %s)" (int64 $v.server.tensorParallelSize) $v.neuron.resourceName) -}}
+{{- end -}}
 {{- if and (eq $v.server.compileBackend "neuron") (ne $v.server.device "neuron") -}}
 {{- fail (printf "server.compileBackend neuron needs server.device neuron, got %s" $v.server.device) -}}
 {{- end -}}

@@ -187,6 +187,7 @@ def test_series_exist_at_zero_with_bounded_label_sets() -> None:
     assert labelsets(s, "recompilations_total") == {
         frozenset({("reason", "unwarmed_shape")}),
         frozenset({("reason", "guard_failure")}),
+        frozenset({("reason", "other_rank")}),
     }
     assert labelsets(s, "graph_compilations_total") == {
         frozenset({("graph", k.phase), ("bucket", k.bucket), ("phase", p)})

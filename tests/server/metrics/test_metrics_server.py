@@ -155,7 +155,8 @@ def test_info_labels(live: Served, checkpoint: str) -> None:
         "batch_sizes": ",".join(map(str, TINY_TABLE.batch_sizes)),
         "prefill_batch_sizes": ",".join(map(str, TINY_TABLE.prefill_batch_sizes)),
         "kv_lengths": ",".join(map(str, TINY_TABLE.kv_lengths)),
-        "context_length": str(TINY_TABLE.context_length), "threads": "1",
+        "context_length": str(TINY_TABLE.context_length), "threads": "1", "tensor_parallel_size": "1",
+        "world_size": "1",
     }
     assert live.scrape().get("bucketserve_info", **dict(labels)) == 1
 
