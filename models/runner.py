@@ -204,6 +204,11 @@ class ModelRunner:
             if self.aot and compile_settings.cache_dir else None
         self._graphs: dict[Any, Callable[..., Any]] = {}
         self._built_elsewhere: dict[str, float] = {}  # label -> compile seconds in a builder process
+        self._loaded: set[Any] = set()  # keys whose graph came from a saved artifact
+        self._warming = False
+        # Under tensor parallelism every rank must run every graph in step (its collectives pair up across
+        # ranks, and another rank may be compiling, hence running, that graph): no skipped runs there.
+        self._in_mesh = tp_size > 1
         self.fingerprint = model_fingerprint(model) if self.store is not None else ""
         if compile_settings.compiles and self.aot:
             configure_compiler(compile_settings, len(self.keys))
@@ -246,6 +251,17 @@ class ModelRunner:
         start = time.perf_counter()
         self.accountant.phase = "warmup"
         todo, pending = self._share_out(todo, builder)
+        self._warming = True
+        try:
+            self._warm_each(todo, pending, progress, cancelled)
+        finally:
+            self._warming = False
+        self.start_serving()
+        return time.perf_counter() - start
+
+    def _warm_each(self, todo: list[Any], pending: tuple[set[Any], list[Future[dict[str, float]]]] | None,
+                   progress: Callable[[Any, float, int, int], None] | None,
+                   cancelled: Callable[[], bool] | None) -> None:
         for done, key in enumerate(todo, 1):
             if cancelled is not None and cancelled():
                 raise WarmupCancelled(f"warm-up cancelled after {done - 1} of {len(todo)} graphs")
@@ -265,8 +281,6 @@ class ModelRunner:
             self.warmed.add((key.phase, key.batch, key.length))
             if progress is not None:
                 progress(key, time.perf_counter() - t0, done, len(todo))
-        self.start_serving()
-        return time.perf_counter() - start
 
     def _share_out(self, todo: list[Any], builder: GraphBuilder | None
                    ) -> tuple[list[Any], tuple[set[Any], list[Future[dict[str, float]]]] | None]:
@@ -354,7 +368,13 @@ class ModelRunner:
     def _call(self, fn: Callable[..., torch.Tensor], key: Any, *args: Any) -> torch.Tensor:
         if self.aot:
             with torch.no_grad():
-                graph = self._graphs.get(key) or self._prepare(fn, key, args)
+                graph = self._graphs.get(key)
+                if graph is None:
+                    graph = self._prepare(fn, key, args)
+                    if self._warming and key in self._loaded and not self._in_mesh:
+                        # A sound saved graph: checked against these very inputs (its guards), not run; a
+                        # restart's warm-up is then only loading (2-3 s of runs saved on the default table).
+                        return torch.empty(0)
                 return graph(self.model, *args)  # type: ignore[no-any-return]
         # The stance is scoped to this runner's calls (it is process-wide state, and tests run several).
         stance = fail_on_recompile() if self._fail_closed else contextlib.nullcontext()
@@ -396,6 +416,7 @@ class ModelRunner:
             built = self._built_elsewhere.pop(label_of(key), None)
             # Built by a builder process during this warm-up: a cold compile (a miss), timed there.
             self.accountant.record(loaded.seconds if built is None else built, cache_hit=built is None)
+            self._loaded.add(key)
             return loaded.fn
         if reason != "missing":
             self.accountant.rejected(key, reason)

@@ -155,16 +155,21 @@ def test_vllm_gets_the_same_threads_seqs_and_dtype(tmp_path: Path) -> None:
 
 
 def test_cpu_seconds_counts_a_busy_process() -> None:
+    """The child burns one CPU-second of its own (however long a loaded machine takes), then idles."""
     import subprocess
+    import time
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import time\nwhile time.process_time() < 1.0: pass\ntime.sleep(60)"])
     try:
-        import time
-
-        time.sleep(1.2)
+        deadline = time.monotonic() + 120
         used = cpu_seconds(proc.pid)
-        assert used is not None and used > 0.5
+        while (used or 0.0) < 0.9 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            used = cpu_seconds(proc.pid)
+        assert used is not None and 0.9 <= used < 5.0
     finally:
+        proc.kill()
         proc.wait()
     assert cpu_seconds(proc.pid) is None  # gone
 
