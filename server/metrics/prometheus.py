@@ -118,7 +118,7 @@ class Metrics:
                                for r in range(world_size) for ph in COMPILE_PHASES}
         rejected = counter("compile_artifacts_rejected_total",
                            "Saved graph artifacts found unusable at warm-up and rebuilt, by reason.", ("reason",))
-        self._rejected = {r: rejected.labels(r) for r in ARTIFACT_REJECT_REASONS}
+        self._artifacts_rejected = {r: rejected.labels(r) for r in ARTIFACT_REJECT_REASONS}
 
         # -- shapes --------------------------------------------------------------------------------
         bucket_requests = counter("bucket_requests_total", "Admitted requests per length bucket.", ("bucket",))
@@ -210,7 +210,7 @@ class Metrics:
         self._ready.set(1 if ready else 0)
 
     def artifact_rejected(self, reason: str) -> None:
-        _pick(self._rejected, reason, "artifact reject reason").inc()
+        _pick(self._artifacts_rejected, reason, "artifact reject reason").inc()
 
     def compile_cache(self, hit: bool) -> None:
         (self._cache_hits if hit else self._cache_misses).inc()

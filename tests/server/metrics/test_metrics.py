@@ -65,6 +65,9 @@ def test_scripted_sequence_gives_exact_values() -> None:
     m.set_ready(True)
     m.graph_compiled(GraphKey("prefill", 1, 128), 3.0, "serving")
     m.recompiled("unwarmed_shape")
+    m.artifact_rejected("corrupt")
+    m.artifact_rejected("stale")
+    m.artifact_rejected("stale")
 
     m.request_admitted(64, 50)
     m.request_admitted(128, 100)
@@ -113,6 +116,8 @@ def test_scripted_sequence_gives_exact_values() -> None:
     assert val(s, "ready") == 1
     assert val(s, "compile_cache_hits_total") == 5  # i = 0, 3, 6, 9, 12
     assert val(s, "compile_cache_misses_total") == 10
+    assert val(s, "compile_artifacts_rejected_total", reason="corrupt") == 1
+    assert val(s, "compile_artifacts_rejected_total", reason="stale") == 2
 
     # shapes
     assert val(s, "bucket_requests_total", bucket="64") == 1
