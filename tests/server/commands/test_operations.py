@@ -152,6 +152,6 @@ def test_sigterm_during_a_cold_start_stops_the_warmup_and_its_builders(tiny_llam
     children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
     assert server.stop() == 0
     alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and "zombie" not in
-             open(f"/proc/{pid}/status").read().lower()]
+             Path(f"/proc/{pid}/status").read_text().lower()]
     assert not alive, alive
     assert "exiting during warm-up" in (tmp_path / "server.log").read_text()
