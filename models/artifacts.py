@@ -57,7 +57,6 @@ class Loaded:
     fn: Callable[..., Any] | None  # None: not usable (see reason)
     reason: str = ""  # "" loaded | "missing" | "corrupt: ..." | "stale: ..."
     seconds: float = 0.0
-    build_seconds: float = 0.0  # what the artifact cost to compile when it was built
 
 
 def label_of(key: Any) -> str:
@@ -121,7 +120,7 @@ class GraphStore:
             fn = AOTCompiledFunction.deserialize(data)
         except Exception as exc:  # noqa: BLE001  any failure to rebuild the function means: do not use it
             return Loaded(None, f"stale: does not load ({type(exc).__name__}: {str(exc)[:200]})")
-        return Loaded(fn, "", time.perf_counter() - start, float(info.get("build_seconds", 0.0)))
+        return Loaded(fn, "", time.perf_counter() - start)
 
     def info(self, key: Any) -> dict[str, Any]:
         """The sidecar of a saved artifact ({} when there is none or it is unreadable)."""

@@ -212,7 +212,6 @@ class ModelRunner:
         self.fingerprint = model_fingerprint(model) if self.store is not None else ""
         if compile_settings.compiles and self.aot:
             configure_compiler(compile_settings, len(self.keys))
-            self.accountant.cache_enabled = self.store is not None
             self._inductor = resolve_backend("inductor")
             self._prefill_fn, self._decode_fn, self._chunk_fn = _prefill_step, decode, chunk
             self._sample_fn: Callable[..., Any] = _sample_step
