@@ -36,6 +36,9 @@ class CompileSettings:
     recompile_policy: str = "error"  # error | allow
     cache_dir: str = ""  # persistent compile cache; "" -> the backend's default
     inductor_freezing: bool = False  # faster on CPU, but frozen graphs bypass the persistent cache
+    # CPU bf16/fp16 linears through prepacked oneDNN weights (models/prepack.py); ignored where unsupported,
+    # under freezing (which packs inside the graph) and on the Neuron backend.
+    weight_prepack: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

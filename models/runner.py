@@ -30,6 +30,8 @@ from models.compile import (
     resolve_backend,
 )
 from models.masks import chunk_mask, decode_mask, sliding_window
+from models.prepack import prepack
+from models.prepack import supported as prepack_supported
 from models.sample_graph import SampleInputs, sample_rows
 from models.slot_cache import ChunkCache, DecodeCache, PrefillCache, SlotStorage
 
@@ -169,6 +171,11 @@ class ModelRunner:
         self.accountant = accountant or CompileAccountant()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # Packed weights live outside the graphs (the graphs call bucketserve::linear with the plain weight);
+        # freezing packs inside the graph instead, Neuron compiles its own matmuls, a TP shard is a DTensor.
+        self.prepacked = prepack(model) if compile_settings.weight_prepack and not compile_settings.inductor_freezing \
+            and compile_settings.backend != "neuron" and tp_size == 1 and prepack_supported(self.dtype, self.device) \
+            else 0
         self.storage = SlotStorage(
             model.config,
             max_slots=table.batch_sizes[-1],

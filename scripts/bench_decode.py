@@ -4,6 +4,7 @@ step cost before them). Rows sit at position `--position` (a typical live length
 
 Each configuration runs in its own subprocess (compiler settings are process-wide).
 Usage: python scripts/bench_decode.py [--batches 1,8,16] [--kv 256,1024,2048] [--configs float32,bfloat16:freeze]
+A config is a dtype with an optional `:freeze` (inductor freezing) or `:plain` (no weight prepacking).
 Writes results/bench-decode.json and .md.
 """
 
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 
-def run_one(dtype: str, freezing: bool, batches: tuple[int, ...], kvs: tuple[int, ...], position: int,
+def run_one(dtype: str, freezing: bool, prepack: bool, batches: tuple[int, ...], kvs: tuple[int, ...], position: int,
             steps: int, threads: int) -> dict:
     import torch
 
@@ -32,7 +33,8 @@ def run_one(dtype: str, freezing: bool, batches: tuple[int, ...], kvs: tuple[int
     model = load_model(resolve_model_path("default"), dtype, "cpu")
     table = BucketTable(lengths=(64,), batch_sizes=batches, prefill_batch_sizes=(1,), context_length=kvs[-1],
                         kv_lengths=kvs)
-    runner = ModelRunner(model, table, CompileSettings(backend="inductor", inductor_freezing=freezing))
+    runner = ModelRunner(model, table, CompileSettings(backend="inductor", inductor_freezing=freezing,
+                                                                  weight_prepack=prepack))
     compile_s: dict[str, float] = {}
     runner.warmup([GraphKey("decode", b, kv) for b in batches for kv in kvs],
                   progress=lambda k, s, d, n: compile_s.__setitem__(k.bucket, round(s, 1)))
@@ -48,7 +50,7 @@ def run_one(dtype: str, freezing: bool, batches: tuple[int, ...], kvs: tuple[int
                 if i >= 3:
                     times.append((time.perf_counter() - t0) * 1000)
             step_ms[f"b{b}_kv{kv}"] = round(statistics.median(times), 1)
-    return {"dtype": dtype, "freezing": freezing, "threads": threads, "position": position,
+    return {"dtype": dtype, "freezing": freezing, "prepacked": runner.prepacked, "threads": threads, "position": position,
             "compile_s": compile_s, "step_ms": step_ms, "serving_compilations": runner.accountant.count("serving")}
 
 
@@ -66,8 +68,8 @@ def main() -> int:
     batches = tuple(int(x) for x in args.batches.split(","))
     kvs = tuple(int(x) for x in args.kv.split(","))
     if args.one:
-        dtype, _, freeze = args.one.partition(":")
-        print(json.dumps(run_one(dtype, freeze == "freeze", batches, kvs, args.position, args.steps, args.threads)))
+        dtype, _, option = args.one.partition(":")
+        print(json.dumps(run_one(dtype, option == "freeze", option != "plain", batches, kvs, args.position, args.steps, args.threads)))
         return 0
     results = []
     for config in args.configs.split(","):
@@ -85,7 +87,7 @@ def main() -> int:
     lines = ["| config | batch | " + " | ".join(f"KV {kv} ms" for kv in kvs) + " | tok/s at smallest KV |",
              "|---" * (3 + len(kvs)) + "|"]
     for r in results:
-        name = r["dtype"] + (" + freezing" if r["freezing"] else "")
+        name = r["dtype"] + (" + freezing" if r["freezing"] else "") + (" + prepacked" if r["prepacked"] else "")
         for b in batches:
             ms = [r["step_ms"][f"b{b}_kv{kv}"] for kv in kvs]
             lines.append(f"| {name} | {b} | " + " | ".join(str(m) for m in ms) + f" | {b * 1000 / ms[0]:.0f} |")

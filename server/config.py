@@ -39,10 +39,14 @@ class ServerSettings:
     # Inductor weight freezing (prepacking): faster on CPU (2x decode in bfloat16 here), but frozen graphs
     # bypass the persistent compile cache, so every restart compiles again.
     inductor_freezing: bool = False
+    # CPU bfloat16 linears on weights reordered once into oneDNN's layout (2x per matmul here); --no-weight-prepack
+    # turns it off (A/B, or to save the second copy of the weights it keeps).
+    weight_prepack: bool = True
     buckets: tuple[int, ...] = ()  # prompt-length buckets; () -> powers of two from 64 to max_model_len
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     prefill_batch_sizes: tuple[int, ...] = (1,)
-    kv_buckets: tuple[int, ...] = ()  # decode KV-length buckets; () -> derived from max_model_len
+    # Decode KV-length buckets; () -> the context alone on the CPU, else powers of two up to max_model_len.
+    kv_buckets: tuple[int, ...] = ()
     # Prompts longer than this are prefilled in chunks of it, between decode steps. -1: auto (DEFAULT_CHUNK
     # with the default length buckets, off with --buckets); 0: off. With --buckets it must be the largest one.
     prefill_chunk_size: int = -1
@@ -110,6 +114,12 @@ class ServerSettings:
         context = min(self.max_model_len, model_max_length)
         # The context length always closes the KV buckets (every live row needs a graph): added if missing.
         kv = self.kv_buckets if not self.kv_buckets or self.kv_buckets[-1] >= context else (*self.kv_buckets, context)
+        if not kv and self.device == "cpu":
+            # On the CPU the attention op reads only the positions each row can see (models/attention.py): a
+            # batch-8 step at position 150 costs the same in KV 256, 1024 and 2048, so more KV buckets would
+            # only add graphs (and warm-up time). Devices that compile SDPA into the graph keep the default
+            # powers of two, which are what bound their attention work.
+            kv = (context,)
         try:
             if self.buckets_file:
                 table = BucketTable.load(self.buckets_file)
@@ -171,11 +181,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-backend", default=d.compile_backend, choices=list(COMPILE_BACKENDS))
     parser.add_argument("--inductor-freezing", action="store_true", default=d.inductor_freezing,
                         help="freeze weights into inductor graphs (faster; not reusable from the compile cache)")
+    parser.add_argument("--weight-prepack", action=argparse.BooleanOptionalAction, default=d.weight_prepack,
+                        help="CPU bfloat16: run linears on weights prepacked once for oneDNN (default on)")
     parser.add_argument("--buckets", type=parse_sizes, default=d.buckets, help="prompt-length buckets, e.g. 64,128,256")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=d.batch_sizes, help="decode batch buckets")
     parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=d.prefill_batch_sizes)
     parser.add_argument("--kv-buckets", type=parse_sizes, default=d.kv_buckets,
-                        help="decode KV-length buckets, ending at the context length (default: 256, x4 steps)")
+                        help="decode KV-length buckets, ending at the context length (default: the context on the CPU, "
+                             "whose attention reads only what each row sees; else powers of two from 256)")
     parser.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size,
                         help=f"prefill longer prompts in chunks of this many tokens between decode steps (-1: auto, "
                              f"{DEFAULT_CHUNK} with the default buckets; 0: off; with --buckets: the largest bucket)")
@@ -207,7 +220,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a rank may take to join or to answer while serving before the server exits")
 
 
-_BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts", "inductor_freezing"}
+_BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts", "inductor_freezing", "weight_prepack"}
 _SIZE_FIELDS = {"buckets", "batch_sizes", "prefill_batch_sizes", "kv_buckets"}
 
 

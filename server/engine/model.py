@@ -101,7 +101,7 @@ class EngineModel:
         torch.set_num_threads(self.num_threads)
         prewarm = prewarm_inductor(self.compile_cache_dir()) if s.compile_backend == "inductor" else None
         compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
-                                           s.inductor_freezing)
+                                           s.inductor_freezing, s.weight_prepack)
         self.runner = self.build_runner(compile_settings, prewarm)
         log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, context %d: "
                  "%d graphs", list(self.table.lengths), list(self.table.batch_sizes),
@@ -148,7 +148,7 @@ class EngineModel:
         s = self.settings
         if compile_settings is None:
             compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
-                                               s.inductor_freezing)
+                                               s.inductor_freezing, s.weight_prepack)
         torch.set_num_threads(self.num_threads)
         t0 = time.monotonic()
         model = self.mesh.load(self.path, self.dtype) if self.mesh else load_model(self.path, self.dtype, s.device)
@@ -180,6 +180,7 @@ class EngineModel:
         parts = {"model": os.path.abspath(self.path) if local else self.path, "weights": weights,
                  "dtype": self.dtype, "device": self.settings.device,
                  "backend": self.settings.compile_backend, "freezing": self.settings.inductor_freezing,
+                 "weight_prepack": self.settings.weight_prepack,
                  "buckets": self.table.to_dict(), "threads": self.num_threads}
         if self.mesh_spec is not None:  # each rank compiles graphs over its own shard
             parts["tensor_parallel"] = [self.mesh_spec.tp_size, self.mesh_spec.rank]

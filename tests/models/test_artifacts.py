@@ -223,3 +223,20 @@ def test_builders_die_with_a_killed_parent(tiny_llama: str, tmp_path: Path) -> N
             parent.wait(30)
         if parent.stdout is not None:
             parent.stdout.close()  # no ResourceWarning (warnings are errors)
+
+
+def test_bfloat16_graphs_with_prepacked_linears_save_and_load(tiny_llama: str, tmp_path: Path) -> None:
+    """bf16 graphs call the prepacked-linear and attention ops (outside the graph, registered on import):
+    they save, load in a restart and give the cold run's tokens."""
+    torch.set_num_threads(1)
+    outputs = []
+    for run in ("cold", "restart"):
+        settings = CompileSettings(backend="inductor", cache_dir=str(tmp_path / "cache"))
+        runner = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), TABLE, settings)
+        assert runner.prepacked > 0
+        runner.warmup()
+        assert [r.cache_hit for r in runner.accountant.records] == [run == "restart"] * TABLE.num_graphs
+        outputs.append(generate_one(runner, PROMPT, GREEDY, 8).token_ids)
+        assert runner.accountant.count("serving") == 0
+        runner.stop_serving()
+    assert outputs[0] == outputs[1]

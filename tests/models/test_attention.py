@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -24,3 +25,52 @@ def test_packed_gqa_decode_equals_stock_sdpa() -> None:
     stock, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
     assert ours.shape == stock.shape == (b, 1, kv * groups, dim)
     torch.testing.assert_close(ours, stock)
+
+
+def _prefix_mask(pos: torch.Tensor, context: int, queries: int = 1) -> torch.Tensor:
+    """[b, 1, queries, context] additive: query j of row i sees positions <= pos[i] + j."""
+    q = pos.view(-1, 1, 1) + torch.arange(queries).view(1, queries, 1)
+    allowed = torch.arange(context).view(1, 1, context) <= q
+    return torch.where(allowed, 0.0, torch.finfo(torch.float32).min).unsqueeze(1)
+
+
+@pytest.mark.parametrize("pos", [[4, 20, 9], [4, 1500, 9]], ids=["batched", "row-by-row"])
+def test_attention_op_reads_only_what_each_row_can_see(pos: list[int]) -> None:
+    """Cache positions a row cannot see are never read: NaN there would poison a full-bucket SDPA (NaN * 0),
+    but the op's result is finite and equals attention over the clean buffers. [4, 20, 9] takes one call cut
+    to the longest row; [4, 1500, 9] (lengths far apart) one call per row, each over its own length."""
+    torch.manual_seed(1)
+    b, kv, groups, context, dim = 3, 2, 3, 2048, 16
+    q = torch.randn(b, kv, groups, dim)
+    k, v = torch.randn(b, kv, context, dim), torch.randn(b, kv, context, dim)
+    mask = _prefix_mask(torch.tensor(pos), context)
+    clean = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    longest = max(pos) + 1
+    k[:, :, longest:], v[:, :, longest:] = float("nan"), float("nan")
+    if pos[1] == 1500:  # row by row: also poison what the short rows cannot see below the longest row
+        k[0, :, 5:], v[2, :, 10:] = float("nan"), float("nan")
+    assert torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25).isnan().any()
+    ours = torch.ops.bucketserve.attention(q, k, v, mask, 0.25)
+    torch.testing.assert_close(ours, clean)
+
+
+def test_chunk_attention_is_cut_to_the_chunk_end_and_handles_grouped_heads() -> None:
+    """A chunk of 4 queries at offset 6 (grouped heads unpacked: 6 query heads over 2 KV heads) reads
+    positions 0..9 only and equals SDPA with the K/V heads repeated."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 6, 4, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8)
+    mask = _prefix_mask(torch.tensor([6]), 32, queries=4)
+    clean = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask, scale=0.3)
+    k[:, :, 10:] = float("nan")
+    torch.testing.assert_close(torch.ops.bucketserve.attention(q, k, v, mask, 0.3), clean)
+
+
+def test_attention_op_traces_into_a_graph() -> None:
+    """The op is opaque to the compiler (static shapes in, same shape out) and gives the eager result."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 16, 8), torch.randn(2, 1, 16, 8)
+    mask = _prefix_mask(torch.tensor([3, 6]), 16)
+    compiled = torch.compile(lambda *a: torch.ops.bucketserve.attention(*a, 0.5), backend="aot_eager",
+                             fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(q, k, v, mask), torch.ops.bucketserve.attention(q, k, v, mask, 0.5))

@@ -19,6 +19,12 @@ def test_flags_win_over_environment_and_defaults() -> None:
     assert s.max_model_len == 512 and s.dtype == "bfloat16" and s.buckets == (64, 128)
 
 
+def test_weight_prepack_is_on_by_default_and_can_be_turned_off() -> None:
+    assert parse([]).weight_prepack is True
+    assert parse(["--no-weight-prepack"]).weight_prepack is False
+    assert parse([], {"BUCKETSERVE_WEIGHT_PREPACK": "0"}).weight_prepack is False
+
+
 @pytest.mark.parametrize("argv, env, message", [
     (["--api-key", ""], {}, "must not be empty"),
     ([], {"BUCKETSERVE_API_KEY": ""}, "must not be empty"),
@@ -39,7 +45,8 @@ def test_bucket_table_never_exceeds_the_model_or_max_model_len() -> None:
 
 
 def test_kv_buckets_flag_env_and_context_closing() -> None:
-    assert ServerSettings().bucket_table(8192).kv_lengths == (256, 512, 1024, 2048)
+    assert ServerSettings(device="neuron").bucket_table(8192).kv_lengths == (256, 512, 1024, 2048)
+    assert ServerSettings().bucket_table(8192).kv_lengths == (2048,)  # the CPU's attention op trims per row
     assert parse(["--kv-buckets", "128,512"], {}).bucket_table(8192).kv_lengths == (128, 512, 2048)
     assert parse([], {"BUCKETSERVE_KV_BUCKETS": "512"}).bucket_table(1024).kv_lengths == (512, 1024)
     with pytest.raises(SettingsError, match="kv_lengths"):

@@ -76,7 +76,7 @@ def test_compile_cache_key_changes_with_dtype_buckets_and_model(tiny_llama: str,
     assert key.startswith(str(tmp_path)) and key == build_model(base, tiny_llama).compile_cache_dir()
     for changed in (replace(base, dtype="bfloat16"), replace(base, buckets=(8, 16, 64)),
                     replace(base, compile_backend="dynamo-eager"), replace(base, max_model_len=96, kv_buckets=(32,)),
-                    replace(base, kv_buckets=(64,))):
+                    replace(base, kv_buckets=(64,)), replace(base, weight_prepack=False)):
         assert build_model(changed, tiny_llama).compile_cache_dir() != key
 
 

@@ -1,0 +1,90 @@
+"""Prepacked CPU linears (models/prepack.py): the same numbers as nn.Linear, the packed copy is what the
+compiled step runs, and it lives exactly as long as its weight."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from buckets import BucketTable
+from models.compile import CompileSettings
+from models.generator import generate_one
+from models.loading import load_model
+from models.prepack import PrepackedLinear, packed_count, prepack, supported
+from models.runner import ModelRunner
+from models.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not supported(torch.bfloat16, "cpu"), reason="needs oneDNN (mkldnn) on the CPU")
+
+TABLE = BucketTable(lengths=(8, 16), batch_sizes=(1, 2), prefill_batch_sizes=(1,), context_length=32,
+                    kv_lengths=(16, 32))
+
+
+def test_prepacked_model_gives_the_same_logits(tiny_llama: str) -> None:
+    model = load_model(tiny_llama, "bfloat16", "cpu")
+    ids = torch.tensor([random.Random(0).choices(range(5, 400), k=12)])
+    with torch.no_grad():
+        before = model(ids).logits
+        linears = [m for m in model.modules() if type(m) is nn.Linear]
+        packed = prepack(model)
+        after = model(ids).logits
+    assert packed == len({m.weight.data_ptr() for m in linears}) > 0
+    assert all(type(m) is PrepackedLinear for m in linears)
+    assert torch.equal(before, after)  # the same oneDNN kernel, only the weight's layout differs
+
+
+def test_the_packed_copy_is_what_runs_and_is_dropped_with_its_weight() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 48, bias=True).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(3, 1, 32, dtype=torch.bfloat16)
+    expected = layer(x)
+    alive = packed_count()
+    prepack(layer)
+    assert packed_count() == alive + 1
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+    # An unpacked weight of the same shape takes the plain path: the op never serves another weight's copy.
+    other = torch.randn(48, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.ops.bucketserve.linear(x, other, None), nn.functional.linear(x, other))
+    del layer
+    gc.collect()
+    assert packed_count() == alive
+
+
+def test_runner_prepacks_only_where_supported(tiny_llama: str) -> None:
+    bf16 = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), TABLE, CompileSettings(backend="dynamo-eager"))
+    assert bf16.prepacked > 0
+    fp32 = ModelRunner(load_model(tiny_llama, "float32", "cpu"), TABLE, CompileSettings(backend="dynamo-eager"))
+    assert fp32.prepacked == 0  # the float32 reference path keeps MKL's plain matmul
+    off = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), TABLE,
+                      CompileSettings(backend="dynamo-eager", weight_prepack=False))
+    assert off.prepacked == 0
+    frozen = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), TABLE,
+                         CompileSettings(backend="inductor", inductor_freezing=True))
+    assert frozen.prepacked == 0  # freezing packs inside the graph
+
+
+def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: str) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ids = random.Random(4).choices(range(5, 400), k=11)
+    outputs = []
+    for flag in (True, False):
+        model = load_model(tiny_llama, "bfloat16", "cpu")
+        runner = ModelRunner(model, TABLE, CompileSettings(backend="dynamo-eager", weight_prepack=flag))
+        runner.warmup()
+        outputs.append(generate_one(runner, ids, params, 16).token_ids)
+        assert runner.accountant.count("serving") == 0
+        if flag:
+            # Poison the packed copy of the output head: the traced step must now produce zero logits.
+            from models import prepack as module
+
+            head = model.get_output_embeddings().weight
+            shape, _ = module._PACKED[head.data_ptr()]
+            module._PACKED[head.data_ptr()] = (shape, torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(head)))
+            logits = runner.decode(1, torch.tensor([7]), torch.tensor([11]))
+            assert torch.count_nonzero(logits[0]) == 0
+        runner.stop_serving()
+    assert outputs[0] == outputs[1]
