@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn

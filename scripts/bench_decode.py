@@ -69,7 +69,9 @@ def main() -> int:
     kvs = tuple(int(x) for x in args.kv.split(","))
     if args.one:
         dtype, _, option = args.one.partition(":")
-        print(json.dumps(run_one(dtype, option == "freeze", option != "plain", batches, kvs, args.position, args.steps, args.threads)))
+        result = run_one(dtype, option == "freeze", option != "plain", batches, kvs, args.position, args.steps,
+                         args.threads)
+        print(json.dumps(result))
         return 0
     results = []
     for config in args.configs.split(","):
