@@ -40,7 +40,10 @@ def _attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    scale: float) -> torch.Tensor:
     """query [b, H, q, D], key/value [b, H_kv, K, D] (H a multiple of H_kv), mask [b, 1, q, K] additive
     (0 = attend; q may be 1 and broadcast over packed query heads). Returns [b, H, q, D]."""
-    seen = (mask[:, 0] == 0).any(1)  # [b, K]: positions each row attends
+    # Queries sit in position order (decode: one; chunks: causal, sliding windows move forward), so a row's
+    # last query reaches furthest: its mask row bounds the row. Reading one mask row rather than all q of
+    # them matters for chunks: comparing [256, 2048] masks in 30 layers cost ~25 ms a chunk.
+    seen = mask[:, 0, -1] == 0  # [b, K]: positions each row's last query attends
     width = seen.shape[-1]
     extents = (width - seen.flip(-1).to(torch.int32).argmax(-1)).tolist()  # 1 + each row's last position
     gqa = query.shape[1] != key.shape[1]
