@@ -66,23 +66,23 @@ def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 def prepack(model: nn.Module) -> int:
-    """Swap every plain nn.Linear of `model` to PrepackedLinear and pack its weight; returns how many weights
-    were packed (a weight shared by two modules, e.g. tied embeddings, is packed once). The packed copies live
-    as long as their weights (dropped when the weight tensor is freed, so a reused address is never served a
-    stale copy)."""
-    count = 0
+    """Swap every plain nn.Linear of `model` to PrepackedLinear and pack its weight (once: a weight shared by
+    two modules, e.g. tied embeddings, or a model prepacked before). Returns how many distinct weights of the
+    model now run prepacked. A packed copy lives as long as its weight (dropped when the weight is freed, so
+    a reused address is never served a stale copy)."""
+    weights: set[int] = set()
     for module in model.modules():
-        if type(module) is not nn.Linear or module.weight.dtype not in PACKABLE_DTYPES:
-            continue
-        weight = module.weight.detach()
-        key = weight.data_ptr()
-        with _LOCK:
-            if key not in _PACKED:
-                _PACKED[key] = (weight.shape, torch.ops.mkldnn._reorder_linear_weight(weight))
-                weakref.finalize(module.weight, _forget, key)
-                count += 1
-        module.__class__ = PrepackedLinear
-    return count
+        if type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES:
+            weight = module.weight.detach()
+            key = weight.data_ptr()
+            with _LOCK:
+                if key not in _PACKED:
+                    _PACKED[key] = (weight.shape, torch.ops.mkldnn._reorder_linear_weight(weight))
+                    weakref.finalize(module.weight, _forget, key)
+            module.__class__ = PrepackedLinear
+        if type(module) is PrepackedLinear:
+            weights.add(module.weight.data_ptr())
+    return len(weights)
 
 
 def _forget(key: int) -> None:

@@ -34,6 +34,8 @@ def test_prepacked_model_gives_the_same_logits(tiny_llama: str) -> None:
         after = model(ids).logits
     assert packed == len({m.weight.data_ptr() for m in linears}) > 0
     assert all(type(m) is PrepackedLinear for m in linears)
+    alive = packed_count()
+    assert prepack(model) == packed and packed_count() == alive  # again: nothing packed twice
     assert torch.equal(before, after)  # the same oneDNN kernel, only the weight's layout differs
 
 
