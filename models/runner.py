@@ -173,9 +173,11 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         # Packed weights live outside the graphs (the graphs call bucketserve::linear with the plain weight);
         # freezing packs inside the graph instead, Neuron compiles its own matmuls, a TP shard is a DTensor.
-        self.prepacked = prepack(model) if compile_settings.weight_prepack and not compile_settings.inductor_freezing \
-            and compile_settings.backend != "neuron" and tp_size == 1 and prepack_supported(self.dtype, self.device) \
-            else 0
+        wants_prepack = compile_settings.weight_prepack and not compile_settings.inductor_freezing \
+            and compile_settings.backend != "neuron" and tp_size == 1
+        self.prepacked = prepack(model) if wants_prepack and prepack_supported(self.dtype, self.device) else 0
+        if self.prepacked:
+            log.info("%d linear weights prepacked for oneDNN (a second copy of each)", self.prepacked)
         self.storage = SlotStorage(
             model.config,
             max_slots=table.batch_sizes[-1],
