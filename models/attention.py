@@ -8,9 +8,9 @@ axis instead (`[b, H, 1, D] -> [b, H_kv, H/H_kv, D]`): plain reshapes, no `enabl
 (inductor, neuron) compiles it.
 
 On the CPU, decode and chunk steps call the op `bucketserve::attention` instead of SDPA in the graph. It is
-opaque to the compiler (static shapes in and out) and looks at the mask at run time: K/V positions that no
-row attends (beyond the longest row) are cut off before SDPA, and when rows differ enough in length each row
-attends over its own length alone. So the KV bucket bounds the work instead of setting it: a batch-8 bf16
+opaque to the compiler (static shapes in and out) and looks at the mask at run time: rows are split into
+runs of consecutive rows (`segments`), each attended in one SDPA call over the positions its longest row
+sees; positions beyond are never read. So the KV bucket bounds the work instead of setting it: a batch-8 bf16
 step at position 150 costs the same in the 256, 1024 and 2048 buckets (46 ms; 59 / 89 ms before in 256 /
 1024). Exact: a cut position has softmax weight 0 in every row it is cut from. Devices that compile whole
 graphs (neuron, cuda) keep SDPA in the graph over the bucket; the KV buckets are what bound their work.
@@ -18,6 +18,7 @@ graphs (neuron, cuda) keep SDPA in the graph over the bucket; the KV buckets are
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -25,37 +26,68 @@ import torch.nn.functional as F
 
 ATTENTION = "bucketserve_sdpa"
 _registered = False
-# When rows are attended one by one: measured with SmolLM2's bf16 layer shapes (one thread), a batch-8 SDPA
-# costs ~0.085 us per row-position, one row alone ~0.06 us per position plus ~25 us per call inside this op
-# (slicing, the call itself) = ~300 batched row-positions. Row by row wins when that sum is the smaller one:
-# for rows far apart in length (7 rows at 150 + 1 at 1000), or all long (uniform rows above ~900).
+# How rows are split into SDPA calls, in units of one row-position of a batched call: measured with SmolLM2's
+# bf16 layer shapes (one thread), a batch-8 SDPA costs ~0.085 us per row-position, one row alone ~0.06 us per
+# position, and every call ~25 us inside this op (slicing, the call itself) = ~300 row-positions.
 ROW_CALL_POSITIONS = 300
-ROW_POSITION_COST = 0.7
+ROW_POSITION_COST = 0.7  # a lone row's position, relative to a batched one
+
+
+@functools.lru_cache(maxsize=64)
+def segments(extents: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """Split rows into runs of consecutive rows, each attended in one SDPA call over its longest row
+    (start, stop, positions): the runs minimising the modelled cost. One run for rows of similar length; a
+    run per row when they are far apart (7 rows at 150, one at 1000). Cached: the 30 layers of a step ask with
+    the same extents."""
+    n = len(extents)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for stop in range(1, n + 1):
+        longest = 0
+        for start in range(stop - 1, -1, -1):
+            longest = max(longest, extents[start])
+            rows = stop - start
+            cost = best[start] + rows * longest * (ROW_POSITION_COST if rows == 1 else 1.0) + ROW_CALL_POSITIONS
+            if cost < best[stop]:
+                best[stop], cut[stop] = cost, start
+    runs = []
+    stop = n
+    while stop > 0:
+        start = cut[stop]
+        runs.append((start, stop, max(extents[start:stop])))
+        stop = start
+    return tuple(reversed(runs))
+
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
 _LIB.define("attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor")
 
 
+def _extents(mask: torch.Tensor) -> tuple[int, ...]:
+    """mask [b, 1, q, K] additive, 0 = attend -> per row, 1 + the last position its last query attends.
+    Queries sit in position order (decode: one; chunks: causal, sliding windows move forward), so a row's last
+    query reaches furthest. Read through numpy on the bit pattern (+0.0 is all zero bits): a quarter of the
+    cost of the same four torch ops (15 vs 64 us for [16, 2048], in each of 30 layers)."""
+    last = mask[:, 0, -1]
+    bits = last.view(torch.int16 if last.element_size() == 2 else torch.int32).numpy()
+    attended = bits == 0
+    return tuple((last.shape[-1] - attended[:, ::-1].argmax(1)).tolist())
+
+
 def _attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                    scale: float) -> torch.Tensor:
-    """query [b, H, q, D], key/value [b, H_kv, K, D] (H a multiple of H_kv), mask [b, 1, q, K] additive
+    """query [b, H, q, D], key/value [b, H_kv, K, D] (H a multiple of H_kv), mask [b, 1, q, K] additive float
     (0 = attend; q may be 1 and broadcast over packed query heads). Returns [b, H, q, D]."""
-    # Queries sit in position order (decode: one; chunks: causal, sliding windows move forward), so a row's
-    # last query reaches furthest: its mask row bounds the row. Reading one mask row rather than all q of
-    # them matters for chunks: comparing [256, 2048] masks in 30 layers cost ~25 ms a chunk.
-    seen = mask[:, 0, -1] == 0  # [b, K]: positions each row's last query attends
-    width = seen.shape[-1]
-    extents = (width - seen.flip(-1).to(torch.int32).argmax(-1)).tolist()  # 1 + each row's last position
     gqa = query.shape[1] != key.shape[1]
-    longest, rows = max(extents), len(extents)
-    if rows > 1 and sum(ROW_POSITION_COST * e + ROW_CALL_POSITIONS for e in extents) < rows * longest:
-        parts = [F.scaled_dot_product_attention(query[i:i + 1], key[i:i + 1, :, :e], value[i:i + 1, :, :e],
-                                                attn_mask=mask[i:i + 1, ..., :e], scale=scale, enable_gqa=gqa)
-                 for i, e in enumerate(extents)]
-        return torch.cat(parts)
-    if longest < width:
-        key, value, mask = key[:, :, :longest], value[:, :, :longest], mask[..., :longest]
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    runs = segments(_extents(mask))
+    if len(runs) == 1:
+        width = runs[0][2]
+        if width < key.shape[-2]:
+            key, value, mask = key[:, :, :width], value[:, :, :width], mask[..., :width]
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    parts = [F.scaled_dot_product_attention(query[a:b], key[a:b, :, :w], value[a:b, :, :w],
+                                            attn_mask=mask[a:b, ..., :w], scale=scale, enable_gqa=gqa)
+             for a, b, w in runs]
+    return torch.cat(parts)
 
 
 def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -79,7 +111,8 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         key, value = key[:, :, :kv_len], value[:, :, :kv_len]
     groups = int(getattr(module, "num_key_value_groups", 1))
     b, heads, q_len, dim = query.shape
-    mask_ok = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+    mask_ok = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1 \
+        and attention_mask.is_floating_point()
     if not mask_ok or kwargs.get("position_bias") is not None or dropout or (q_len != 1 and not _on_cpu(query)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)

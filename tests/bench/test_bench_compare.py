@@ -80,7 +80,8 @@ def test_running_server_ready_memory_and_stop(tmp_path: Path) -> None:
         rss = server.peak_rss_bytes()
         assert rss is not None and rss > 1 << 20
         tree = server.peak_rss_bytes(tree=True)
-        assert tree is not None and tree >= rss
+        # Linux syncs per-thread RSS counters lazily, so VmHWM read twice can step back by a page or so.
+        assert tree is not None and tree >= rss - (256 << 10)
         pid = server.proc.pid
     assert server.proc.poll() is not None and peak_rss_bytes(pid) is None
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from models.attention import packed_sdpa
+from models.attention import packed_sdpa, segments
 
 
 class FakeAttention(torch.nn.Module):
@@ -39,6 +39,7 @@ def test_attention_op_reads_only_what_each_row_can_see(pos: list[int]) -> None:
     """Cache positions a row cannot see are never read: NaN there would poison a full-bucket SDPA (NaN * 0),
     but the op's result is finite and equals attention over the clean buffers. [4, 20, 9] takes one call cut
     to the longest row; [4, 1500, 9] (lengths far apart) one call per row, each over its own length."""
+    assert len(segments(tuple(p + 1 for p in pos))) == (1 if pos[1] == 20 else 3)
     torch.manual_seed(1)
     b, kv, groups, context, dim = 3, 2, 3, 2048, 16
     q = torch.randn(b, kv, groups, dim)
@@ -52,6 +53,29 @@ def test_attention_op_reads_only_what_each_row_can_see(pos: list[int]) -> None:
     assert torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25).isnan().any()
     ours = torch.ops.bucketserve.attention(q, k, v, mask, 0.25)
     torch.testing.assert_close(ours, clean)
+
+
+def test_rows_are_split_into_runs_by_length() -> None:
+    """Similar rows share one call over the longest; a far longer row gets its own call; each run's width is
+    its longest row; the runs cover every row in order."""
+    assert segments((150,) * 8) == ((0, 8, 150),)
+    assert segments((151,) * 7 + (1001,)) == ((0, 7, 151), (7, 8, 1001))
+    for extents in [(5, 1501, 10), (1, 900, 900, 3, 2000, 1), (64,) * 16]:
+        runs = segments(extents)
+        assert [r[0] for r in runs] == [0] + [r[1] for r in runs[:-1]] and runs[-1][1] == len(extents)
+        assert all(width == max(extents[a:b]) for a, b, width in runs)
+
+
+def test_attention_in_runs_reads_only_each_runs_width() -> None:
+    """Rows 0-2 short, row 3 long: two calls. NaN beyond each run's width is never read."""
+    torch.manual_seed(4)
+    pos = [150, 150, 150, 1000]
+    assert segments(tuple(p + 1 for p in pos)) == ((0, 3, 151), (3, 4, 1001))
+    q, k, v = torch.randn(4, 2, 3, 16), torch.randn(4, 2, 1024, 16), torch.randn(4, 2, 1024, 16)
+    mask = _prefix_mask(torch.tensor(pos), 1024)
+    clean = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    k[:3, :, 151:], v[3, :, 1001:] = float("nan"), float("nan")
+    torch.testing.assert_close(torch.ops.bucketserve.attention(q, k, v, mask, 0.25), clean)
 
 
 def test_chunk_attention_is_cut_to_the_chunk_end_and_handles_grouped_heads() -> None:
