@@ -69,7 +69,8 @@ def prepack(model: nn.Module) -> int:
     """Swap every plain nn.Linear of `model` to PrepackedLinear and pack its weight (once: a weight shared by
     two modules, e.g. tied embeddings, or a model prepacked before). Returns how many distinct weights of the
     model now run prepacked. A packed copy lives as long as its weight (dropped when the weight is freed, so
-    a reused address is never served a stale copy)."""
+    a reused address is never served a stale copy). The weights must not change afterwards (serving never
+    writes them): a packed copy is not refreshed."""
     weights: set[int] = set()
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES:
