@@ -78,16 +78,10 @@ def _attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """query [b, H, q, D], key/value [b, H_kv, K, D] (H a multiple of H_kv), mask [b, 1, q, K] additive float
     (0 = attend; q may be 1 and broadcast over packed query heads). Returns [b, H, q, D]."""
     gqa = query.shape[1] != key.shape[1]
-    runs = segments(_extents(mask))
-    if len(runs) == 1:
-        width = runs[0][2]
-        if width < key.shape[-2]:
-            key, value, mask = key[:, :, :width], value[:, :, :width], mask[..., :width]
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
     parts = [F.scaled_dot_product_attention(query[a:b], key[a:b, :, :w], value[a:b, :, :w],
                                             attn_mask=mask[a:b, ..., :w], scale=scale, enable_gqa=gqa)
-             for a, b, w in runs]
-    return torch.cat(parts)
+             for a, b, w in segments(_extents(mask))]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
