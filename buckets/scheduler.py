@@ -124,7 +124,47 @@ class DecodeStep:
         return self.seqs
 
 
-Step = PrefillStep | ChunkStep | DecodeStep
+@dataclass(frozen=True)
+class Piece:
+    """Prompt tokens [offset, offset + num_tokens) of `seq` in a mixed step."""
+
+    seq: Sequence
+    offset: int
+    num_tokens: int
+
+    @property
+    def is_final(self) -> bool:
+        return self.offset + self.num_tokens >= self.seq.prompt_len
+
+
+@dataclass(frozen=True)
+class MixedStep:
+    """Decoding rows and prompt pieces on one token axis, padded to the token bucket `tokens`: first one token
+    per row of `decode` (slot order), then each piece's tokens, then padding."""
+
+    tokens: int  # mixed token bucket
+    decode: tuple[Sequence, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def seqs(self) -> tuple[Sequence, ...]:
+        return self.decode + tuple(p.seq for p in self.pieces)
+
+    @property
+    def sampling_seqs(self) -> tuple[Sequence, ...]:
+        """Decoding rows, then the pieces that end their prompt (in that order in the step's logits)."""
+        return self.decode + tuple(p.seq for p in self.pieces if p.is_final)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.pieces)
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.tokens - len(self.decode) - self.prompt_tokens
+
+
+Step = PrefillStep | ChunkStep | DecodeStep | MixedStep
 
 
 @dataclass
@@ -185,6 +225,9 @@ class Scheduler:
         chunking = min((s for s in self.running.values() if not s.is_decoding), key=lambda s: s.slot, default=None)
         decoding = {slot: s for slot, s in self.running.items() if s.is_decoding}
         want_prefill = chunking is not None or (bool(self.waiting) and bool(free))
+        if want_prefill and self.table.mixed_tokens and self.policy == "continuous" \
+                and (chunking is not None or bool(decoding)):
+            return self._mixed(decoding, chunking, free)
         if self.policy == "static":
             # A batch forms (consecutive prefills) only while nothing decodes, then runs to completion.
             want_prefill = want_prefill and (not decoding or self._last_was_prefill)
@@ -213,6 +256,10 @@ class Scheduler:
                 seq.num_chunks += 1
             elif isinstance(step, ChunkStep):
                 seq.prefilled = step.offset + step.num_tokens
+                seq.num_chunks += 1
+            elif isinstance(step, MixedStep) and not seq.is_decoding:
+                piece = next(p for p in step.pieces if p.seq is seq)
+                seq.prefilled = piece.offset + piece.num_tokens
                 seq.num_chunks += 1
             if not seq.is_decoding or seq.request_id not in sampled:
                 continue  # a chunk that does not end the prompt yields no token
@@ -263,6 +310,25 @@ class Scheduler:
             self.running[slot] = seq
         length = min(head.bucket, self.table.max_length)
         return PrefillStep(length, self.table.prefill_batch_for(len(group)), tuple(group))
+
+    def _mixed(self, decoding: dict[int, Sequence], chunking: Sequence | None, free: list[int]) -> MixedStep:
+        decode = tuple(decoding[s] for s in sorted(decoding))
+        budget = self.table.mixed_budget - len(decode)
+        pieces: list[Piece] = []
+        if chunking is not None:
+            n = min(budget, chunking.prompt_len - chunking.prefilled)
+            pieces.append(Piece(chunking, chunking.prefilled, n))
+            budget -= n
+        while budget > 0 and self.waiting and free:
+            seq = self.waiting.popleft()
+            self._waiting_tokens -= seq.prompt_len
+            seq.slot = free.pop(0)
+            self.running[seq.slot] = seq
+            n = min(budget, seq.prompt_len)
+            pieces.append(Piece(seq, 0, n))
+            budget -= n
+        self._last_was_prefill = False  # decoding rows advanced in this step too
+        return MixedStep(self.table.mixed_for(self.table.mixed_budget - budget), decode, tuple(pieces))
 
     def _chunk(self, seq: Sequence) -> ChunkStep:
         c = self.table.chunk_length

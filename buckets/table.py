@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
 
-Phase = Literal["prefill", "decode", "chunk", "sample"]
+Phase = Literal["prefill", "decode", "chunk", "sample", "mixed"]
 
 
 class BucketError(ValueError):
@@ -42,7 +42,8 @@ class GraphKey:
     """Identifies one compiled graph: prefill graphs by (rows, length bucket), decode graphs by
     (rows, KV-length bucket): a decode graph attends over the first `length` positions of each slot;
     chunk graphs (one row, one chunk of the chunk length) by the KV-length bucket they attend over;
-    sampling graphs by the rows of logits they sample (every decode and prefill batch bucket)."""
+    sampling graphs by the rows of logits they sample (every decode and prefill batch bucket); mixed graphs by
+    (rows of logits = the largest batch bucket, token bucket)."""
 
     phase: Phase
     batch: int
@@ -57,6 +58,8 @@ class GraphKey:
             return f"kv{self.length}"
         if self.phase == "sample":
             return f"b{self.batch}"
+        if self.phase == "mixed":
+            return f"t{self.length}"
         return f"b{self.batch}_l{self.length}"
 
     def __str__(self) -> str:
@@ -100,7 +103,12 @@ class BucketTable:
     With `chunked_prefill`, the largest length bucket is the chunk length c: a longer prompt is prefilled c
     tokens at a time (the first chunk by the prefill graph of bucket c, the others by chunk graphs that
     attend over the slot's earlier positions), interleaved with decode steps. Its request bucket is its
-    length rounded up to a multiple of c, so `request_lengths` stays bounded."""
+    length rounded up to a multiple of c, so `request_lengths` stays bounded.
+
+    With `mixed_tokens` (token buckets; () = off), a step can carry every decoding row (one token each) and
+    prompt tokens of new or partly prefilled requests together, packed on one token axis and padded to the
+    smallest token bucket that holds them: one pass over the weights serves both (what vLLM schedules). Its
+    graph returns the logits of `max_batch` rows (a row per slot at most samples in one step)."""
 
     lengths: tuple[int, ...]
     batch_sizes: tuple[int, ...] = (1,)
@@ -108,6 +116,7 @@ class BucketTable:
     context_length: int = 0  # 0: the largest length bucket
     kv_lengths: tuple[int, ...] = ()  # (): default_kv_lengths(context_length); the last is the context
     chunked_prefill: bool = False
+    mixed_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", tuple(self.lengths))
@@ -138,6 +147,15 @@ class BucketTable:
                 f"kv_lengths {list(kv)} must end at the context length {self.context_length} "
                 "(every live sequence needs a decode graph)"
             )
+        object.__setattr__(self, "mixed_tokens", tuple(self.mixed_tokens))
+        if self.mixed_tokens:
+            _validate_sizes("mixed_tokens", self.mixed_tokens)
+            if self.mixed_tokens[-1] <= self.max_batch or self.mixed_tokens[-1] > self.context_length:
+                raise BucketError(
+                    f"the largest mixed token bucket {self.mixed_tokens[-1]} must exceed the largest batch bucket "
+                    f"{self.max_batch} (every decoding row plus a prompt token) and fit the context "
+                    f"{self.context_length}"
+                )
         if self.chunked_prefill and self.context_length % self.max_length:
             raise BucketError(
                 f"chunked prefill needs the context length {self.context_length} to be a multiple of the chunk "
@@ -166,8 +184,20 @@ class BucketTable:
 
     @property
     def chunk_kv_lengths(self) -> tuple[int, ...]:
-        """KV buckets a chunk graph may need: a chunk after the first reaches past position c."""
-        return tuple(kv for kv in self.kv_lengths if kv > self.chunk_length) if self.chunk_length else ()
+        """KV buckets a chunk graph may need: a chunk after the first reaches past position c. None with
+        mixed steps: they carry every later piece of a prompt."""
+        if not self.chunk_length or self.mixed_tokens:
+            return ()
+        return tuple(kv for kv in self.kv_lengths if kv > self.chunk_length)
+
+    @property
+    def mixed_budget(self) -> int:
+        """Most tokens one mixed step carries (0: mixed steps off)."""
+        return self.mixed_tokens[-1] if self.mixed_tokens else 0
+
+    def mixed_for(self, tokens: int) -> int:
+        """Smallest mixed token bucket holding `tokens` tokens."""
+        return _smallest_at_least(self.mixed_tokens, tokens)
 
     @property
     def sample_batch_sizes(self) -> tuple[int, ...]:
@@ -222,11 +252,14 @@ class BucketTable:
         for length in self.lengths:
             for p in self.prefill_batch_sizes:
                 yield GraphKey("prefill", p, length)
+        for tokens in self.mixed_tokens:
+            yield GraphKey("mixed", self.max_batch, tokens)
 
     @property
     def num_graphs(self) -> int:
         return (len(self.batch_sizes) * len(self.kv_lengths) + len(self.chunk_kv_lengths)
-                + len(self.sample_batch_sizes) + len(self.lengths) * len(self.prefill_batch_sizes))
+                + len(self.sample_batch_sizes) + len(self.lengths) * len(self.prefill_batch_sizes)
+                + len(self.mixed_tokens))
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -263,12 +296,13 @@ class BucketTable:
             "context_length": self.context_length,
             "kv_lengths": list(self.kv_lengths),
             "chunked_prefill": self.chunked_prefill,
+            "mixed_tokens": list(self.mixed_tokens),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> BucketTable:
         unknown = set(data) - {"lengths", "batch_sizes", "prefill_batch_sizes", "context_length", "kv_lengths",
-                              "chunked_prefill"}
+                              "chunked_prefill", "mixed_tokens"}
         if unknown:
             raise BucketError(f"unknown bucket fields: {sorted(unknown)}")
         if "lengths" not in data:
@@ -290,6 +324,7 @@ class BucketTable:
             context_length=context,
             kv_lengths=ints("kv_lengths", ()),
             chunked_prefill=bool(data.get("chunked_prefill", False)),
+            mixed_tokens=ints("mixed_tokens", ()),
         )
 
     def save(self, path: str | Path) -> None:
@@ -318,6 +353,15 @@ def default_kv_lengths(context_length: int) -> tuple[int, ...]:
     The longest row of a batch picks the bucket, so with 16 rows the middle buckets carry most steps
     (measured in docs/performance.md)."""
     return powers_of_two(min(MIN_KV_LENGTH, context_length), context_length)
+
+
+def default_mixed_tokens(table: BucketTable) -> tuple[int, ...]:
+    """Token buckets for mixed steps: the length buckets up to the chunk length (the largest length bucket
+    when prompts are not chunked), so a mixed step costs at most about one chunk; () when they cannot hold
+    every decoding row plus a prompt token."""
+    cap = table.chunk_length or table.max_length
+    tokens = tuple(n for n in table.lengths if n <= cap)
+    return tokens if tokens and tokens[-1] > table.max_batch else ()
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:

@@ -14,6 +14,12 @@ sees; positions beyond are never read. So the KV bucket bounds the work instead 
 step at position 150 costs the same in the 256, 1024 and 2048 buckets (46 ms; 59 / 89 ms before in 256 /
 1024). Exact: a cut position has softmax weight 0 in every row it is cut from. Devices that compile whole
 graphs (neuron, cuda) keep SDPA in the graph over the bucket; the KV buckets are what bound their work.
+
+Mixed steps (CPU) call `bucketserve::mixed_attention`: their tokens come from several slots on one axis, and
+the "mask" the graph passes is the step's [1, 1, T, 2] long tensor of (slot, position) per token. Runs of
+tokens of one slot at consecutive positions are prompt pieces (causal over the slot up to each position); lone
+tokens of consecutive slots are decoding rows, attended as a decode batch (the runs above); padding tokens
+(the spare slot) get zeros.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -60,6 +67,7 @@ def segments(extents: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
 _LIB.define("attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor")
+_LIB.define("mixed_attention(Tensor query, Tensor key, Tensor value, Tensor meta, float scale) -> Tensor")
 
 
 def _extents(mask: torch.Tensor) -> tuple[int, ...]:
@@ -89,8 +97,70 @@ def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return torch.empty_like(query)
 
 
+@functools.lru_cache(maxsize=256)
+def mixed_plan(meta: bytes, spare: int) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
+    """meta: the (slot, position) int64 pairs of a mixed step's tokens -> calls (first token, last token + 1,
+    first slot, extents). A call is a prompt piece (one slot; extents = (position of its first token,)) or a
+    run of decoding rows of consecutive slots (one token each; extents = position + 1 per row): the
+    decoding rows' flag is a negative first slot (-1 - slot). Padding tokens (slot `spare`) are left out."""
+    pairs = np.frombuffer(meta, dtype=np.int64).reshape(-1, 2).tolist()
+    calls: list[tuple[int, int, int, tuple[int, ...]]] = []
+    t, n = 0, len(pairs)
+    while t < n:
+        slot, pos = pairs[t]
+        end = t + 1
+        while end < n and pairs[end][0] == slot and pairs[end][1] == pairs[end - 1][1] + 1:
+            end += 1
+        if slot == spare:
+            pass
+        elif end - t > 1:
+            calls.append((t, end, slot, (pos,)))
+        elif calls and calls[-1][2] < 0 and calls[-1][1] == t and -1 - calls[-1][2] + len(calls[-1][3]) == slot:
+            first, _, s0, ext = calls[-1]
+            calls[-1] = (first, end, s0, ext + (pos + 1,))
+        else:
+            calls.append((t, end, -1 - slot, (pos + 1,)))
+        t = end
+    return tuple(calls)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_mask(extents: tuple[int, ...], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, 1, 1, width] additive: row i sees positions [0, extents[i])."""
+    seen = torch.arange(width).view(1, width) < torch.tensor(extents).view(-1, 1)
+    return torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf")).view(len(extents), 1, 1, width)
+
+
+def _mixed_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """query [1, H, T, D]; key/value [S + 1, H_kv, C, D] (slot S: padding); meta [1, 1, T, 2] long (slot,
+    position). Returns [1, H, T, D] (zeros at padding tokens)."""
+    heads, dim, kv_heads = query.shape[1], query.shape[3], key.shape[1]
+    out = torch.zeros_like(query)
+    q, o = query[0], out[0]  # [H, T, D]
+    for first, last, s0, ext in mixed_plan(meta.numpy().tobytes(), key.shape[0] - 1):
+        if s0 >= 0:  # a prompt piece: causal over its slot, offset by its first position
+            p0, n = ext[0], last - first
+            k, v = key[s0 : s0 + 1, :, : p0 + n], value[s0 : s0 + 1, :, : p0 + n]
+            mask = None if p0 == 0 else (torch.arange(p0 + n).view(1, -1) <= torch.arange(p0, p0 + n).view(-1, 1))
+            res = F.scaled_dot_product_attention(q[None, :, first:last], k, v, attn_mask=mask, is_causal=p0 == 0,
+                                                 scale=scale, enable_gqa=heads != kv_heads)
+            o[:, first:last] = res[0]
+            continue
+        s0 = -1 - s0  # decoding rows: query heads of a KV group packed on the query axis, as in a decode step
+        packed = q[:, first:last].transpose(0, 1).reshape(last - first, kv_heads, heads // kv_heads, dim)
+        for a, b, w in segments(ext):
+            res = F.scaled_dot_product_attention(packed[a:b], key[s0 + a : s0 + b, :, :w],
+                                                 value[s0 + a : s0 + b, :, :w],
+                                                 attn_mask=_row_mask(ext[a:b], w, query.dtype), scale=scale)
+            o[:, first + a : first + b] = res.reshape(b - a, heads, dim).transpose(0, 1)
+    return out
+
+
 _LIB.impl("attention", _attention_cpu, "CPU")
+_LIB.impl("mixed_attention", _mixed_attention_cpu, "CPU")
 torch.library.register_fake("bucketserve::attention", _attention_fake, lib=_LIB)
+torch.library.register_fake("bucketserve::mixed_attention", _attention_fake, lib=_LIB)
 
 
 def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -99,6 +169,10 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     """query: [b, H, q, D]; key/value: [b, H_kv, C, D]; mask: [b, 1, q, C] additive. Returns [b, q, H, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if attention_mask is not None and attention_mask.dtype == torch.long:  # a mixed step's (slot, position)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = torch.ops.bucketserve.mixed_attention(query, key, value, attention_mask, scale)
+        return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and key.shape[-2] > attention_mask.shape[-1]:
         # A decode step of KV bucket K gets the slot buffers [b, H_kv, C, D]; it reads positions [0, K).
         kv_len = attention_mask.shape[-1]

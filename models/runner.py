@@ -33,7 +33,7 @@ from models.masks import chunk_mask, decode_mask, sliding_window
 from models.prepack import prepack
 from models.prepack import supported as prepack_supported
 from models.sample_graph import SampleInputs, sample_rows
-from models.slot_cache import ChunkCache, DecodeCache, PrefillCache, SlotStorage
+from models.slot_cache import ChunkCache, DecodeCache, MixedCache, PrefillCache, SlotStorage
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class ShapeTable(Protocol):
     def chunk_kv_lengths(self) -> tuple[int, ...]: ...
     @property
     def sample_batch_sizes(self) -> tuple[int, ...]: ...
+    @property
+    def mixed_tokens(self) -> tuple[int, ...]: ...
 
     def kv_for(self, positions: int) -> int: ...
 
@@ -135,6 +137,19 @@ def _make_chunk_step(dtype: torch.dtype, kinds: list[str], window: int | None) -
     return _chunk_step
 
 
+def _mixed_step(model: torch.nn.Module, cache: MixedCache, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """input_ids, positions: [1, T] tokens of several slots on one axis; meta: [T, 2] (slot, position) per
+    token; keep: [R] indices of the tokens whose logits are wanted. Returns logits [R, V]. The meta tensor goes
+    in as the 4-D "mask" (transformers passes 4-D masks through untouched): the attention op reads it."""
+    cache.meta.copy_(meta)
+    mask = cache.meta.view(1, 1, -1, 2)
+    out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                logits_to_keep=keep)
+    logits: torch.Tensor = out.logits[0]
+    return logits
+
+
 def _sample_step(model: torch.nn.Module, logits: torch.Tensor, inputs: SampleInputs) -> tuple[torch.Tensor, ...]:
     """The sampling graph (model unused: every step function takes it first)."""
     return sample_rows(logits, inputs)
@@ -187,7 +202,10 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             tp_size=tp_size,  # the cache holds this rank's local KV heads
+            max_mixed_tokens=table.mixed_tokens[-1] if table.mixed_tokens else 0,
         )
+        if table.mixed_tokens and any(kind != "full_attention" for kind in self.storage.layer_types):
+            raise ValueError("mixed steps need full-attention layers (their attention op has no sliding window)")
         self.keys = list(table.graph_keys())
         self._known = {(k.phase, k.batch, k.length): k for k in self.keys}
         self.warmed: set[tuple[str, int, int]] = set()
@@ -200,6 +218,7 @@ class ModelRunner:
             (p, n): self.storage.prefill_cache(p, n) for p in table.prefill_batch_sizes for n in table.lengths
         }
         self._chunk_caches = {kv: self.storage.chunk_cache(kv) for kv in table.chunk_kv_lengths}
+        self._mixed_caches = {t: self.storage.mixed_cache(t) for t in table.mixed_tokens}
         self.sample_inputs = {rows: SampleInputs.allocate(rows, self.device) for rows in table.sample_batch_sizes}
         self.vocab_size = _vocab_size(model)
         kinds, window = self.storage.layer_types, sliding_window(model.config)
@@ -224,6 +243,7 @@ class ModelRunner:
             self._inductor = resolve_backend("inductor")
             self._prefill_fn, self._decode_fn, self._chunk_fn = _prefill_step, decode, chunk
             self._sample_fn: Callable[..., Any] = _sample_step
+            self._mixed_fn: Callable[..., Any] = _mixed_step
         elif compile_settings.compiles:
             configure_compiler(compile_settings, len(self.keys))
             if compile_settings.backend == "neuron" and compile_settings.cache_dir:
@@ -235,9 +255,10 @@ class ModelRunner:
             self._decode_fn = compile_step(_fresh_copy(decode, suffix), backend)
             self._chunk_fn = compile_step(_fresh_copy(chunk, suffix), backend)
             self._sample_fn = compile_step(_fresh_copy(_sample_step, suffix), backend)
+            self._mixed_fn = compile_step(_fresh_copy(_mixed_step, suffix), backend)
         else:
             self._prefill_fn, self._decode_fn, self._chunk_fn = _prefill_step, decode, chunk
-            self._sample_fn = _sample_step
+            self._sample_fn, self._mixed_fn = _sample_step, _mixed_step
 
     @property
     def num_graphs(self) -> int:
@@ -284,6 +305,8 @@ class ModelRunner:
             elif key.phase == "chunk":
                 # Slot 0 from position c: what the warm-up's dummy writes there, no request reads.
                 self._run_chunk(key.length, 0, self.table.chunk_length, [0])
+            elif key.phase == "mixed":
+                self._run_mixed(key.length, [0], [0], [0], [0])
             else:
                 self._run_prefill(key.batch, key.length, [PrefillRow(0, [0])] * key.batch, commit=False)
             self.warmed.add((key.phase, key.batch, key.length))
@@ -347,6 +370,14 @@ class ModelRunner:
         are already cached), padded to the chunk length, attending over the slot's first `kv` positions.
         Returns logits [1, V] at the last given token."""
         return self._run_chunk(kv, slot, offset, token_ids)
+
+    def mixed(self, tokens: int, ids: list[int], positions: list[int], slots: list[int], keep: list[int]
+              ) -> torch.Tensor:
+        """A mixed step of token bucket `tokens`: token t (t < len(ids) <= tokens) is ids[t] at positions[t] of
+        slot slots[t] (decoding rows one token each, prompt pieces at consecutive positions of their slot; each
+        token attends over its slot's positions up to its own). Returns logits [max batch, V]: row r is the
+        token keep[r] (r < len(keep)), the other rows are padding."""
+        return self._run_mixed(tokens, ids, positions, slots, keep)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[tuple[float, int, float, float, int, int] | None]
                ) -> tuple[torch.Tensor, ...]:
@@ -454,6 +485,27 @@ class ModelRunner:
         if commit:
             self.storage.commit(cache, [r.slot for r in rows], [len(r.token_ids) for r in rows])
         return logits
+
+    def _run_mixed(self, tokens: int, ids: list[int], positions: list[int], slots: list[int], keep: list[int]
+                   ) -> torch.Tensor:
+        rows = self.table.batch_sizes[-1]
+        key = self._check("mixed", rows, tokens)
+        n = len(ids)
+        if not 0 < n <= tokens or len(positions) != n or len(slots) != n or len(keep) > rows:
+            raise ValueError(f"a mixed step of {n} tokens and {len(keep)} logit rows does not fit {tokens} tokens, "
+                             f"{rows} rows")
+        if any(not 0 <= p < self.table.context_length for p in positions) or any(
+                not 0 <= s < self.storage.spare_slot for s in slots) or any(not 0 <= k < n for k in keep):
+            raise ValueError("a mixed step's position, slot or logit row is out of range")
+        pad = tokens - n
+        # [T] pad tokens: token 0 at position 0 of the spare slot (written there, never read).
+        ids_t = torch.tensor(ids + [0] * pad, dtype=torch.long).view(1, tokens)
+        pos_t = torch.tensor(positions + [0] * pad, dtype=torch.long)
+        meta = torch.stack([torch.tensor(slots + [self.storage.spare_slot] * pad, dtype=torch.long), pos_t], 1)
+        keep_t = torch.tensor(keep + [0] * (rows - len(keep)), dtype=torch.long)
+        dev = self.device
+        return self._call(self._mixed_fn, key, self._mixed_caches[tokens], ids_t.to(dev), pos_t.view(1, tokens).to(dev),
+                          meta.to(dev), keep_t.to(dev))
 
     def _run_chunk(self, kv: int, slot: int, offset: int, token_ids: list[int]) -> torch.Tensor:
         key = self._check("chunk", 1, kv)

@@ -17,6 +17,10 @@ its own position. So we keep our own storage and hand the stock models two thin 
   K/V into slot `slot` at positions [offset, offset + c) and returns that slot's first K positions; the
   caller passes a causal 4-D mask [1, 1, c, K] offset by `offset`.
 
+- `MixedCache` (one per mixed token bucket T): tokens of any slots on one axis ([1, H, T, D]); `update` writes
+  token t at (slot[t], position[t]) (padding tokens go to a spare slot no one reads) and returns the whole
+  buffers; the attention op reads each token's slot up to its position (models/attention.py).
+
 Every tensor a graph sees is a prefix view of a preallocated buffer (offset 0, fixed strides), so graphs
 are keyed by shape only, and inductor updates the buffers in place instead of copying whole caches.
 """
@@ -158,6 +162,37 @@ class ChunkLayer(_ViewLayer):
         return self.kv_length
 
 
+class MixedLayer(_ViewLayer):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, meta: torch.Tensor) -> None:
+        super().__init__(keys, values)  # the whole buffers [S + 1, H, C, D] (slot S: padding tokens)
+        self.meta = meta  # [T, 2] long: (slot, position) per token, shared by all layers of one MixedCache
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states: [1, H, T, D] -> token t at [slot[t], h, position[t], :] (rows of the [S * H * C, D] view,
+        # in place as in DecodeLayer). Returns the whole buffers: the attention op knows what each token sees.
+        _, h, t, d = key_states.shape
+        slots, _, context, _ = self.k.shape
+        head = torch.arange(h, device=key_states.device).view(1, h) * context
+        rows = (self.meta[:, :1] * (h * context) + head + self.meta[:, 1:]).view(-1)  # [T * H], token-major
+        self.k.view(slots * h * context, d).index_copy_(0, rows, key_states[0].transpose(0, 1).reshape(t * h, d))
+        self.v.view(slots * h * context, d).index_copy_(0, rows, value_states[0].transpose(0, 1).reshape(t * h, d))
+        return self.k, self.v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+
+class MixedCache(Cache):
+    def __init__(self, layers: list[MixedLayer], meta: torch.Tensor) -> None:
+        super().__init__(layers=layers)  # type: ignore[arg-type]
+        self.meta = meta
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+
 class ChunkCache(Cache):
     def __init__(self, layers: list[ChunkLayer], slot: torch.Tensor, offset: torch.Tensor, kv_length: int) -> None:
         super().__init__(layers=layers)  # type: ignore[arg-type]
@@ -200,6 +235,7 @@ class SlotStorage:
         dtype: torch.dtype,
         device: torch.device | str,
         tp_size: int = 1,
+        max_mixed_tokens: int = 0,
     ) -> None:
         self.num_layers, num_kv_heads, self.head_dim = kv_geometry(config)
         # Tensor parallel: each rank's k_proj / v_proj produce its share of the KV heads (the config keeps
@@ -210,7 +246,9 @@ class SlotStorage:
         self.layer_types = layer_types(config)
         self.max_slots = max_slots
         self.context_length = context_length
-        shape = (max_slots, self.num_kv_heads, context_length, self.head_dim)
+        # Mixed steps write their padding tokens into one spare slot past the others (never read).
+        self.spare_slot = max_slots if max_mixed_tokens else -1
+        shape = (max_slots + (1 if max_mixed_tokens else 0), self.num_kv_heads, context_length, self.head_dim)
         # Zero-initialised: a NaN at a masked position would still poison softmax @ V (0 * NaN).
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
@@ -220,7 +258,8 @@ class SlotStorage:
         self.write_pos = torch.zeros(max_slots, dtype=torch.long, device=device)
         self.chunk_slot = torch.zeros(1, dtype=torch.long, device=device)
         self.chunk_offset = torch.zeros(1, dtype=torch.long, device=device)
-        static = (self.write_pos, self.chunk_slot, self.chunk_offset)
+        self.mixed_meta = torch.zeros(max(max_mixed_tokens, 1), 2, dtype=torch.long, device=device)
+        static = (self.write_pos, self.chunk_slot, self.chunk_offset, self.mixed_meta)
         for t in (*self.keys, *self.values, *self.scratch_keys, *self.scratch_values, *static):
             torch._dynamo.mark_static_address(t)
 
@@ -240,6 +279,13 @@ class SlotStorage:
         layers = [ChunkLayer(k, v, self.chunk_slot, self.chunk_offset, kv_length)
                   for k, v in zip(self.keys, self.values)]
         return ChunkCache(layers, self.chunk_slot, self.chunk_offset, kv_length)
+
+    def mixed_cache(self, tokens: int) -> MixedCache:
+        """Cache for a mixed step of `tokens` tokens (meta[:tokens] says where each goes)."""
+        if self.spare_slot < 0 or tokens > self.mixed_meta.shape[0]:
+            raise ValueError(f"no mixed cache of {tokens} tokens (storage sized for {self.mixed_meta.shape[0]})")
+        meta = self.mixed_meta[:tokens]
+        return MixedCache([MixedLayer(k, v, meta) for k, v in zip(self.keys, self.values)], meta)
 
     def prefill_cache(self, rows: int, length: int) -> PrefillCache:
         n = rows * self.num_kv_heads * length * self.head_dim

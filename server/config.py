@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from buckets import BucketError, BucketTable, parse_sizes
-from buckets.table import DEFAULT_BATCH_SIZES
+from buckets.table import DEFAULT_BATCH_SIZES, default_mixed_tokens
 
 DEFAULT_MODEL = "default"
 # "dynamo-eager" captures graphs with dynamo but runs them eagerly: for tests and debugging only.
@@ -42,6 +42,9 @@ class ServerSettings:
     # CPU bfloat16 linears on weights reordered once into oneDNN's layout (2x per matmul here); --no-weight-prepack
     # turns it off (A/B, or to save the second copy of the weights it keeps).
     weight_prepack: bool = True
+    # CPU, continuous batching, one rank: prompt tokens ride in the decode steps (mixed steps, one pass over the
+    # weights for both) instead of running between them; --no-mixed-steps alternates prefill and decode steps.
+    mixed_steps: bool = True
     buckets: tuple[int, ...] = ()  # prompt-length buckets; () -> powers of two from 64 to max_model_len
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     prefill_batch_sizes: tuple[int, ...] = (1,)
@@ -109,8 +112,16 @@ class ServerSettings:
         if self.compile_backend == "neuron" and self.device != "neuron":
             raise SettingsError("compile_backend 'neuron' needs device 'neuron'")
 
-    def bucket_table(self, model_max_length: int) -> BucketTable:
-        """The one bucket table for this server, from --buckets-file, --buckets or the defaults."""
+    @property
+    def wants_mixed_steps(self) -> bool:
+        """Mixed steps: asked for, on the CPU (their attention op), continuous batching, one rank."""
+        return (self.mixed_steps and self.device == "cpu" and self.batching == "continuous"
+                and self.tensor_parallel_size == 1)
+
+    def bucket_table(self, model_max_length: int, mixed_ok: bool = True) -> BucketTable:
+        """The one bucket table for this server, from --buckets-file, --buckets or the defaults. `mixed_ok`:
+        the model's layers suit mixed steps (no sliding windows); they also need the CPU (their attention
+        op), continuous batching and one rank."""
         context = min(self.max_model_len, model_max_length)
         # The context length always closes the KV buckets (every live row needs a graph): added if missing.
         kv = self.kv_buckets if not self.kv_buckets or self.kv_buckets[-1] >= context else (*self.kv_buckets, context)
@@ -151,6 +162,11 @@ class ServerSettings:
                 )
         except BucketError as exc:
             raise SettingsError(f"buckets: {exc}") from exc
+        if self.wants_mixed_steps and mixed_ok:
+            try:
+                table = replace(table, mixed_tokens=default_mixed_tokens(table))
+            except BucketError as exc:
+                raise SettingsError(f"buckets: {exc}") from exc
         if table.context_length > model_max_length:
             raise SettingsError(
                 f"buckets: context length {table.context_length} exceeds the model's limit of {model_max_length}"
@@ -183,6 +199,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="freeze weights into inductor graphs (faster; not reusable from the compile cache)")
     parser.add_argument("--weight-prepack", action=argparse.BooleanOptionalAction, default=d.weight_prepack,
                         help="CPU bfloat16: run linears on weights prepacked once for oneDNN (default on)")
+    parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=d.mixed_steps,
+                        help="CPU: carry prompt tokens in the decode steps (one pass over the weights for both; "
+                             "default on)")
     parser.add_argument("--buckets", type=parse_sizes, default=d.buckets, help="prompt-length buckets, e.g. 64,128,256")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=d.batch_sizes, help="decode batch buckets")
     parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=d.prefill_batch_sizes)
@@ -220,7 +239,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a rank may take to join or to answer while serving before the server exits")
 
 
-_BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts", "inductor_freezing", "weight_prepack"}
+_BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts", "inductor_freezing", "weight_prepack",
+                "mixed_steps"}
 _SIZE_FIELDS = {"buckets", "batch_sizes", "prefill_batch_sizes", "kv_buckets"}
 
 

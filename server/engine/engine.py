@@ -15,7 +15,7 @@ import uuid
 from collections import deque
 
 from buckets import PromptTooLongError
-from buckets.scheduler import ChunkStep, PrefillStep, Scheduler, Sequence, Step
+from buckets.scheduler import ChunkStep, MixedStep, PrefillStep, Scheduler, Sequence, Step
 from models.mesh import MeshError
 from models.runner import WarmupCancelled
 from models.sampling import SampledToken, SamplingParams
@@ -243,7 +243,10 @@ class Engine:
                         self._publish_load()
                         self._wake.wait(0.5)
                         continue
-                    prompts = self._start(step) if isinstance(step, PrefillStep) else self._prompts(step)
+                    if isinstance(step, (PrefillStep, MixedStep)):
+                        prompts = self._start(step)
+                    else:
+                        prompts = self._prompts(step)
                     stalls = self._scheduler.num_decoding if isinstance(step, (PrefillStep, ChunkStep)) else 0
                 for rid in expired:
                     self.abort(rid, "timeout", "request timed out")
@@ -258,15 +261,17 @@ class Engine:
         finally:
             self.model.close()
 
-    def _start(self, step: PrefillStep) -> dict[str, list[int]]:
-        """Lock held: the prompts of a prefill step, and its requests' queue time."""
+    def _start(self, step: PrefillStep | MixedStep) -> dict[str, list[int]]:
+        """Lock held: the prompts of a prefill or mixed step, and the queue time of the requests it starts."""
         now = time.monotonic()
         prompts = {}
-        for seq in step.seqs:
+        starting = step.seqs if isinstance(step, PrefillStep) else [p.seq for p in step.pieces]
+        for seq in starting:
             active = self._active[seq.request_id]
-            active.started = True
             prompts[seq.request_id] = active.prompt_ids
-            self.metrics.request_started(seq.bucket, now - active.arrival)
+            if not active.started:  # a mixed step's piece may continue a prompt begun earlier
+                active.started = True
+                self.metrics.request_started(seq.bucket, now - active.arrival)
         return prompts
 
     def _prompts(self, step: Step | None) -> dict[str, list[int]]:

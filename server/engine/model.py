@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from buckets import BucketTable, GraphKey
-from buckets.scheduler import ChunkStep, PrefillStep, Sequence, Step
+from buckets.scheduler import ChunkStep, MixedStep, PrefillStep, Sequence, Step
 from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key, prewarm_inductor
 from models.graph_builder import BuildSpec, ProcessBuilder
 from models.hardware import resolve_compile_workers, resolve_dtype, resolve_num_threads
@@ -25,6 +25,7 @@ from models.loading import cache_root, load_model, load_tokenizer, max_positions
 from models.mesh import MeshSpec
 from models.runner import ModelRunner, PrefillRow
 from models.sampling import SampledToken, Sampler, SamplingParams
+from models.slot_cache import UnsupportedModelError, layer_types
 from models.step_plan import rank_runner
 from server.config import ServerSettings
 from server.engine.mesh import EngineMesh
@@ -68,7 +69,8 @@ class EngineModel:
         self.metrics = SafeHooks(metrics)
         self.tokenizer: Any = load_tokenizer(model_path)
         self.config = AutoConfig.from_pretrained(model_path)
-        self.table = table or settings.bucket_table(max_positions(self.config))
+        # Mixed steps' attention op has no sliding windows: such models keep separate prefill and decode steps.
+        self.table = table or settings.bucket_table(max_positions(self.config), mixed_ok=_full_attention(self.config))
         self.name = settings.served_model_name or model_display_name(model_path)
         self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
@@ -103,10 +105,10 @@ class EngineModel:
         compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
                                            s.inductor_freezing, s.weight_prepack)
         self.runner = self.build_runner(compile_settings, prewarm)
-        log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, context %d: "
-                 "%d graphs", list(self.table.lengths), list(self.table.batch_sizes),
-                 list(self.table.prefill_batch_sizes), list(self.table.kv_lengths), self.table.context_length,
-                 self.runner.num_graphs)
+        log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, mixed tokens "
+                 "%s, context %d: %d graphs", list(self.table.lengths), list(self.table.batch_sizes),
+                 list(self.table.prefill_batch_sizes), list(self.table.kv_lengths), list(self.table.mixed_tokens),
+                 self.table.context_length, self.runner.num_graphs)
         store = self.runner.store
         if s.require_cached_graphs and store is not None:
             # Fail before compiling anything: every graph must have its saved artifact.
@@ -205,6 +207,8 @@ class EngineModel:
             logits = self.runner.chunk(seq.slot, step.offset, part, step.kv)
             self.metrics.chunk_done(GraphKey("chunk", 1, step.kv), step.padding_tokens, time.perf_counter() - t0)
             return StepLogits(logits, [0] if step.is_final else [])
+        if isinstance(step, MixedStep):
+            return self._run_mixed(step, prompt_of, t0)
         # Row i of a decode batch is slot i; free slots run as dummies (token 0 at position 0). The inputs are
         # written in place into preallocated host buffers (through their numpy views: no tensor per step).
         b = step.batch
@@ -219,6 +223,25 @@ class EngineModel:
         logits = self.runner.decode(b, self._decode_tokens[:b], self._decode_positions[:b], step.kv)
         self.metrics.decode_step_done(step.batch, len(step.seqs), time.perf_counter() - t0, step.padding_rows)
         return StepLogits(logits, slots)
+
+    def _run_mixed(self, step: MixedStep, prompt_of: Callable[[str], list[int]], t0: float) -> StepLogits:
+        """Decoding rows first (one token each, slot order), then each prompt piece; logits row r belongs to
+        step.sampling_seqs[r] (the decoding rows, then the pieces that end their prompt)."""
+        assert self.runner is not None
+        ids = [seq.last_token for seq in step.decode]
+        positions = [seq.position for seq in step.decode]
+        slots = [seq.slot for seq in step.decode]
+        keep = list(range(len(ids)))
+        for piece in step.pieces:
+            ids += prompt_of(piece.seq.request_id)[piece.offset : piece.offset + piece.num_tokens]
+            positions += range(piece.offset, piece.offset + piece.num_tokens)
+            slots += [piece.seq.slot] * piece.num_tokens
+            if piece.is_final:
+                keep.append(len(ids) - 1)
+        logits = self.runner.mixed(step.tokens, ids, positions, slots, keep)
+        self.metrics.mixed_done(GraphKey("mixed", self.table.max_batch, step.tokens), len(step.decode),
+                                step.padding_tokens, time.perf_counter() - t0)
+        return StepLogits(logits, list(range(len(keep))))
 
     def sample(self, seqs: tuple[Sequence, ...], samplers: list[Sampler | None], out: StepLogits
                ) -> list[SampledToken | Exception | None]:
@@ -272,6 +295,14 @@ class EngineModel:
             k = record.key
             warmed = (k.phase, k.batch, k.length) in self.runner.warmed
             self.metrics.recompiled("guard_failure" if warmed else "unwarmed_shape")
+
+
+def _full_attention(config: Any) -> bool:
+    """Every layer attends over the whole past (no sliding windows), and the cache supports the model."""
+    try:
+        return all(kind == "full_attention" for kind in layer_types(config))
+    except UnsupportedModelError:
+        return False  # the runner says why when it is built
 
 
 def _eos_ids(config: Any, tokenizer: Any) -> frozenset[int]:

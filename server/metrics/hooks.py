@@ -35,6 +35,7 @@ class MetricsHooks(Protocol):
     # -- steps and requests (engine thread) --------------------------------------------------
     def prefill_done(self, key: GraphKey, rows: int, padding_tokens: int, seconds: float) -> None: ...
     def chunk_done(self, key: GraphKey, padding_tokens: int, seconds: float) -> None: ...
+    def mixed_done(self, key: GraphKey, decode_rows: int, padding_tokens: int, seconds: float) -> None: ...
     def decode_stalled(self, seconds: float) -> None: ...
     def prefill_chunks(self, chunks: int) -> None: ...
     def decode_step_done(self, batch: int, active: int, seconds: float, padding_rows: int) -> None: ...
@@ -89,6 +90,9 @@ class NoMetrics:
         return None
 
     def chunk_done(self, key: GraphKey, padding_tokens: int, seconds: float) -> None:
+        return None
+
+    def mixed_done(self, key: GraphKey, decode_rows: int, padding_tokens: int, seconds: float) -> None:
         return None
 
     def decode_stalled(self, seconds: float) -> None:
@@ -205,6 +209,12 @@ class SafeHooks:
             self._hooks.chunk_done(key, padding_tokens, seconds)
         except Exception:  # noqa: BLE001 - see the module docstring
             self._failed_once("chunk_done")
+
+    def mixed_done(self, key: GraphKey, decode_rows: int, padding_tokens: int, seconds: float) -> None:
+        try:
+            self._hooks.mixed_done(key, decode_rows, padding_tokens, seconds)
+        except Exception:  # noqa: BLE001 - see the module docstring
+            self._failed_once("mixed_done")
 
     def decode_stalled(self, seconds: float) -> None:
         try:

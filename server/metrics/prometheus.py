@@ -92,6 +92,7 @@ class Metrics:
         graph_keys = list(table.graph_keys())
         self._prefill_keys = frozenset(k for k in graph_keys if k.phase == "prefill")
         self._chunk_keys = frozenset(k for k in graph_keys if k.phase == "chunk")
+        self._mixed_keys = frozenset(k for k in graph_keys if k.phase == "mixed")
         self._batch_sizes = frozenset(table.batch_sizes)
 
         # -- compilation ---------------------------------------------------------------------------
@@ -150,6 +151,11 @@ class Metrics:
         self._decode_step = histogram(
             "decode_step_seconds", "Seconds per decode graph call.", config.decode_step_buckets
         )
+        self._mixed_step = histogram(
+            "mixed_step_seconds", "Seconds per mixed graph call (decoding rows and prompt tokens together).",
+            config.prefill_buckets,
+        )
+        self._mixed_rows = counter("mixed_decode_rows_total", "Decoding rows carried by mixed steps.")
         self._decode_stall = histogram(
             "decode_stall_seconds", "Seconds decoding rows waited behind one prefill or chunk step.",
             config.decode_step_buckets,
@@ -236,6 +242,19 @@ class Metrics:
         if padding_tokens:
             self._padding_prefill.inc(padding_tokens)
         self._prefill_seconds.observe(seconds)
+
+    def mixed_done(self, key: GraphKey, decode_rows: int, padding_tokens: int, seconds: float) -> None:
+        """One mixed graph call of token bucket key.length carrying `decode_rows` decoding rows; its padding
+        tokens count as prefill padding."""
+        if key not in self._mixed_keys:
+            raise ValueError(f"{key} is not a mixed graph of the bucket table")
+        _check_count("decode_rows", decode_rows, 0, min(key.batch, key.length - 1))
+        _check_count("padding_tokens", padding_tokens, 0, key.length - 1)
+        _check_seconds("seconds", seconds)
+        if padding_tokens:
+            self._padding_prefill.inc(padding_tokens)
+        self._mixed_rows.inc(decode_rows)
+        self._mixed_step.observe(seconds)
 
     def decode_stalled(self, seconds: float) -> None:
         """Decoding rows waited `seconds` for a prefill or chunk step between two of their tokens."""

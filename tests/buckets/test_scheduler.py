@@ -7,7 +7,7 @@ import random
 import pytest
 
 from buckets import BucketTable, PromptTooLongError
-from buckets.scheduler import ChunkStep, DecodeStep, PrefillStep, QueueFullError, Scheduler, Sequence
+from buckets.scheduler import ChunkStep, DecodeStep, MixedStep, PrefillStep, QueueFullError, Scheduler, Sequence
 
 TABLE = BucketTable(lengths=(8, 16, 32), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2), context_length=64)
 
@@ -263,3 +263,57 @@ def test_parked_rows_and_abort_between_chunks() -> None:
     assert parked_seen == 2 and long.slot == 0 and 0 < long.prefilled < 40
     assert s.abort("long") is long and 0 in s.free_slots()  # aborted between chunks: the slot is free at once
     assert not any(isinstance(s.schedule(), ChunkStep) for _ in range(3))
+
+
+MIXED = BucketTable(lengths=(8, 16), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1,), context_length=64,
+                    chunked_prefill=True, mixed_tokens=(8, 16))
+
+
+def test_prompts_ride_in_decode_steps_up_to_the_token_budget() -> None:
+    s = Scheduler(MIXED)
+    s.add(seq("a", 5, max_tokens=8))
+    first = s.schedule()
+    assert isinstance(first, PrefillStep)  # nothing decodes yet: a plain prefill of its own bucket
+    s.update(first, {"a": 7})
+    s.add_many([seq("b", 6), seq("c", 12), seq("d", 3)])
+    step = s.schedule()
+    # a decodes (1 token), b whole (6), c's first 9 tokens fill the budget of 16; d waits
+    assert isinstance(step, MixedStep) and step.tokens == 16
+    assert [q.request_id for q in step.decode] == ["a"]
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("b", 0, 6), ("c", 0, 9)]
+    assert [q.request_id for q in step.sampling_seqs] == ["a", "b"] and step.padding_tokens == 0
+    assert [q.slot for q in step.seqs] == [0, 1, 2] and s.num_waiting == 1
+    s.update(step, {"a": 7, "b": 7})
+    step = s.schedule()
+    # c's last 3 tokens come first (the cut prompt goes on at once), then d whole into the last slot
+    assert isinstance(step, MixedStep) and step.tokens == 8
+    assert [q.request_id for q in step.decode] == ["a", "b"]
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("c", 9, 3), ("d", 0, 3)]
+    assert step.padding_tokens == 8 - 2 - 6
+    s.update(step, {q.request_id: 7 for q in step.sampling_seqs})
+    assert s.num_decoding == 4 and all(q.prefilled == q.prompt_len for q in s.running.values())
+    assert isinstance(s.schedule(), DecodeStep)  # no prompt work left: a plain decode step
+
+
+def test_mixed_workload_completes_fcfs_with_every_token() -> None:
+    rng = random.Random(1)
+    s = Scheduler(MIXED, max_waiting_requests=1000, max_waiting_tokens=10**6)
+    seqs = [seq(f"r{i}", rng.randint(1, 40), rng.randint(1, 12)) for i in range(50)]
+    for q in seqs:
+        s.add(q)
+    started: list[str] = []
+    done: set[str] = set()
+    for _ in range(10_000):
+        step = s.schedule()
+        if step is None:
+            break
+        new = step.seqs if isinstance(step, PrefillStep) else \
+            [p.seq for p in step.pieces if p.offset == 0] if isinstance(step, MixedStep) else []
+        started += [q.request_id for q in new]
+        if isinstance(step, MixedStep):
+            assert len(step.decode) + step.prompt_tokens <= step.tokens <= MIXED.mixed_budget
+            assert sum(1 for q in s.running.values() if 0 < q.prefilled < q.prompt_len) <= 1
+        done |= {q.request_id for q in s.update(step, {q.request_id: 1 for q in step.sampling_seqs})}
+    assert done == {q.request_id for q in seqs}
+    assert all(q.num_generated == q.max_tokens for q in seqs)
+    assert started == [q.request_id for q in seqs]  # one queue, served in arrival order

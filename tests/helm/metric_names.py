@@ -38,6 +38,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bucketserve_prefill_seconds": ("histogram", ()),
     "bucketserve_decode_step_seconds": ("histogram", ()),
     "bucketserve_decode_stall_seconds": ("histogram", ()),
+    "bucketserve_mixed_step_seconds": ("histogram", ()),
+    "bucketserve_mixed_decode_rows_total": ("counter", ()),
     "bucketserve_prefill_chunks": ("histogram", ()),
     # load
     "bucketserve_requests_running": ("gauge", ()),

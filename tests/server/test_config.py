@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from buckets import GraphKey
 from server.config import ServerSettings, SettingsError, add_server_arguments, settings_from_args
 
 
@@ -17,6 +18,17 @@ def test_flags_win_over_environment_and_defaults() -> None:
     s = parse(["--max-model-len", "512"], {"BUCKETSERVE_MAX_MODEL_LEN": "1024", "BUCKETSERVE_DTYPE": "bfloat16",
                                           "BUCKETSERVE_BUCKETS": "64,128"})
     assert s.max_model_len == 512 and s.dtype == "bfloat16" and s.buckets == (64, 128)
+
+
+def test_mixed_steps_are_on_by_default_on_the_cpu_only() -> None:
+    assert parse([]).mixed_steps is True and parse(["--no-mixed-steps"]).mixed_steps is False
+    assert parse([], {"BUCKETSERVE_MIXED_STEPS": "0"}).mixed_steps is False
+    table = parse([]).bucket_table(2048)
+    assert table.mixed_tokens == (64, 128, 256) and table.chunk_kv_lengths == ()  # up to the chunk length
+    assert GraphKey("mixed", 16, 256) in set(table.graph_keys())
+    for off in (["--no-mixed-steps"], ["--batching", "static"], ["--device", "cuda"]):
+        assert parse(off).bucket_table(2048).mixed_tokens == (), off
+    assert parse([]).bucket_table(2048, mixed_ok=False).mixed_tokens == ()  # sliding-window models
 
 
 def test_weight_prepack_is_on_by_default_and_can_be_turned_off() -> None:

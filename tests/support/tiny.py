@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from buckets import BucketTable
+from buckets.table import default_mixed_tokens
 from server.compose import build_model, engine_for
 from server.config import ServerSettings
 from server.engine.engine import Engine
@@ -58,6 +59,8 @@ def build_tiny_checkpoint(path: str | Path, *, arch: str = "llama", vocab_words:
 
 TINY_TABLE = BucketTable(lengths=(8, 16, 32, 64), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2),
                          context_length=128, kv_lengths=(32, 128))
+# What a server with tiny_settings() builds: the CPU default adds mixed steps over the length buckets.
+TINY_SERVED_TABLE = replace(TINY_TABLE, mixed_tokens=default_mixed_tokens(TINY_TABLE))
 
 
 def tiny_settings(**overrides: Any) -> ServerSettings:

@@ -106,6 +106,8 @@ def latency() -> list[Panel]:
         timeseries("Queue wait", quantile_targets("bucketserve_queue_wait_seconds"), "s", "arrival to prefill"),
         timeseries("Prefill step", quantile_targets("bucketserve_prefill_seconds"), "s"),
         timeseries("Decode step", quantile_targets("bucketserve_decode_step_seconds"), "s"),
+        timeseries("Mixed step", quantile_targets("bucketserve_mixed_step_seconds"), "s",
+                   "decoding rows and prompt tokens in one graph call"),
         timeseries("Decode stall behind prefill", quantile_targets("bucketserve_decode_stall_seconds"), "s",
                    "decoding rows waiting for one prefill or chunk step (chunked prefill bounds it)"),
         timeseries("Prefill chunks per request", quantile_targets("bucketserve_prefill_chunks"), "short"),
@@ -117,6 +119,7 @@ def throughput() -> list[Panel]:
         timeseries("Generation throughput", [
             target(rate_sum("bucketserve_generation_tokens_total"), "tokens/s"),
             target(rate_sum("bucketserve_generation_tokens_total", "pod"), "{{pod}}", ref=1),
+            target(rate_sum("bucketserve_mixed_decode_rows_total"), "decoded in mixed steps", ref=2),
         ], "short"),
         timeseries("Requests/s by status", [target(rate_sum("bucketserve_requests_total", "endpoint, status"),
                                                    "{{endpoint}} {{status}}")], "reqps"),

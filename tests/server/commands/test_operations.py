@@ -18,7 +18,7 @@ import pytest
 
 from server.compose import build_model
 from tests.support.process import TINY_FLAGS, ServerProcess
-from tests.support.tiny import TINY_TABLE, tiny_settings
+from tests.support.tiny import tiny_settings
 
 
 def stream_completion(url: str, max_tokens: int, out: list) -> None:
@@ -76,7 +76,8 @@ def test_compile_cache_key_changes_with_dtype_buckets_and_model(tiny_llama: str,
     assert key.startswith(str(tmp_path)) and key == build_model(base, tiny_llama).compile_cache_dir()
     for changed in (replace(base, dtype="bfloat16"), replace(base, buckets=(8, 16, 64)),
                     replace(base, compile_backend="dynamo-eager"), replace(base, max_model_len=96, kv_buckets=(32,)),
-                    replace(base, kv_buckets=(64,)), replace(base, weight_prepack=False)):
+                    replace(base, kv_buckets=(64,)), replace(base, weight_prepack=False),
+                    replace(base, mixed_steps=False)):
         assert build_model(changed, tiny_llama).compile_cache_dir() != key
 
 
@@ -88,11 +89,12 @@ def test_second_process_loads_every_graph_from_the_cache(tiny_llama: str, tmp_pa
                          capture_output=True, text=True, timeout=900)
     assert pre.returncode == 0, pre.stderr[-3000:]
     manifest = json.loads(pre.stdout[pre.stdout.index("{"):])
-    assert sorted(g["bucket"] for g in manifest["graphs"]) == ["b1", "b1_kv32", "b1_l16"]  # sample, decode, prefill
+    # sample, decode, prefill, mixed (prompt tokens riding in decode steps)
+    assert sorted(g["bucket"] for g in manifest["graphs"]) == ["b1", "b1_kv32", "b1_l16", "t16"]
     server = ServerProcess(tiny_llama, *flags, "--require-cached-graphs", log_path=tmp_path / "server.log")
     try:
         server.wait_ready()
-        assert server.metric("bucketserve_compile_cache_hits_total") == 3
+        assert server.metric("bucketserve_compile_cache_hits_total") == 4
         assert server.metric("bucketserve_compile_cache_misses_total") == 0
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 3})
         assert r.status_code == 200
@@ -100,7 +102,7 @@ def test_second_process_loads_every_graph_from_the_cache(tiny_llama: str, tmp_pa
     finally:
         assert server.stop() == 0
     log = (tmp_path / "server.log").read_text()
-    assert "(from cache)" in log and "3 of 3 graphs loaded from the cache" in log
+    assert "(from cache)" in log and "4 of 4 graphs loaded from the cache" in log
 
 
 def test_require_cached_graphs_refuses_readiness_when_the_cache_is_cold(tiny_llama: str, tmp_path: Path) -> None:
@@ -134,7 +136,7 @@ def test_require_cached_graphs_fails_before_compiling_anything(tiny_llama: str, 
 
     settings = tiny_settings(compile_backend="inductor", compile_cache_dir=str(tmp_path), require_cached_graphs=True)
     model = build_model(settings, tiny_llama)
-    with pytest.raises(CacheMissingError, match=f"{TINY_TABLE.num_graphs} graphs were not in the compile cache"):
+    with pytest.raises(CacheMissingError, match=f"{model.table.num_graphs} graphs were not in the compile cache"):
         model.load_and_warm()
     assert model.accountant.count() == 0
 

@@ -39,7 +39,8 @@ def test_verify_passes_on_the_serving_path(tiny_llama: str, tmp_path: Path) -> N
     code, report = verify(tiny_llama, tmp_path, "--prompts-file", str(prompts))
     assert code == 0 and report["verdict"] == "pass" and report["agreement"] == 1.0
     graphs = report["graphs"]
-    assert any(k.startswith("decode[b4") for k in graphs) and any(k.startswith("chunk[") for k in graphs)
+    # long prompts continue in mixed steps (the CPU default), riding with the decoding rows of other cases
+    assert any(k.startswith("decode[b4") for k in graphs) and any(k.startswith("mixed[") for k in graphs)
     assert any(k.startswith("sample[") for k in graphs)  # logprob cases take the sampling graph
     assert all(c["max_logprob_diff"] is None or c["max_logprob_diff"] < 1e-4 for c in report["cases"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -224,22 +225,29 @@ CHUNKED_TABLE = BucketTable(lengths=(8, 16), batch_sizes=(1, 2, 4), prefill_batc
                             kv_lengths=(32, 128), chunked_prefill=True)
 
 
-def test_chunked_prefill_interleaved_with_decoding_requests_matches_solo_runs(tmp_path, reference_model) -> None:
+# The same with mixed steps: prompts ride in decode steps (token buckets 8 and 16), cut at the budget.
+MIXED_TABLE = replace(CHUNKED_TABLE, mixed_tokens=(8, 16))
+
+
+@pytest.mark.parametrize("table", [CHUNKED_TABLE, MIXED_TABLE], ids=["chunk-steps", "mixed-steps"])
+def test_chunked_prefill_interleaved_with_decoding_requests_matches_solo_runs(tmp_path, reference_model,
+                                                                               table) -> None:
     """Long prompts at chunk boundaries (c - 1 .. 2c + 1 and several chunks) join while others decode."""
     rng = random.Random(7)
     lengths = [15, 16, 17, 32, 33, 70, 3, 9]
     work = [(rng.choices(range(10, 400), k=n), rng.randint(4, 24)) for n in lengths]
-    assert_greedy_matches_solo(tmp_path, reference_model, work, CHUNKED_TABLE, lambda: 0.01)
+    assert_greedy_matches_solo(tmp_path, reference_model, work, table, lambda: 0.01)
 
 
-def test_abort_between_chunks_frees_the_slot_and_leaves_others_unchanged(tmp_path, reference_model) -> None:
+@pytest.mark.parametrize("table", [CHUNKED_TABLE, MIXED_TABLE], ids=["chunk-steps", "mixed-steps"])
+def test_abort_between_chunks_frees_the_slot_and_leaves_others_unchanged(tmp_path, reference_model, table) -> None:
     rng = random.Random(8)
     other_ids = rng.choices(range(10, 400), k=5)
     long_ids = rng.choices(range(10, 400), k=100)  # 13 chunks of 8
 
     async def main() -> list[int]:
         settings = tiny_settings(compile_backend="dynamo-eager")
-        engine = await started(tiny_engine(tmp_path, settings=settings, table=CHUNKED_TABLE))
+        engine = await started(tiny_engine(tmp_path, settings=settings, table=table))
         try:
             other = engine.submit(other_ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
             it = other.__aiter__()

@@ -16,7 +16,7 @@ from text_generation import Client as TgiClient
 from server.http.app import create_app
 from server.metrics.prometheus import Metrics
 from tests.server.conftest import LiveServer, wait_ready
-from tests.support.tiny import TINY_TABLE, tiny_engine, tiny_settings
+from tests.support.tiny import TINY_SERVED_TABLE, TINY_TABLE, tiny_engine, tiny_settings
 
 INFO = {"model": "tiny", "dtype": "float32", "device": "cpu", "compile_backend": "eager"}
 NO_EOS = {"ignore_eos": True}  # vLLM extension, sent through extra_body: makes max_tokens exact
@@ -24,9 +24,9 @@ NO_EOS = {"ignore_eos": True}  # vLLM extension, sent through extra_body: makes 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any, Metrics]]:
-    metrics = Metrics(CollectorRegistry(), TINY_TABLE, info=INFO)
+    metrics = Metrics(CollectorRegistry(), TINY_SERVED_TABLE, info=INFO)
     engine = tiny_engine(tmp_path_factory.mktemp("engine"), metrics=metrics)
-    assert engine.table == TINY_TABLE
+    assert engine.table == TINY_SERVED_TABLE
     with LiveServer(create_app(engine, tiny_settings(), metrics)) as server:
         wait_ready(engine.is_ready, timeout=120)
         yield server, engine, metrics

@@ -20,7 +20,7 @@ from buckets.scheduler import DecodeStep
 from server.metrics.config import ABORT_REASONS, FINISH_REASONS, RECOMPILE_REASONS, REJECT_REASONS
 from tests.helm.metric_names import METRICS, metric_of, series_names
 from tests.support.served import Outcome, Served, assert_warmed_exactly, changed, eventually, generate, serve, words
-from tests.support.tiny import TINY_TABLE, build_tiny_checkpoint, tiny_settings
+from tests.support.tiny import TINY_SERVED_TABLE, TINY_TABLE, build_tiny_checkpoint, tiny_settings
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 # (route, body): both endpoints, streaming and not, prompts in every length bucket (one exactly at a
@@ -36,7 +36,8 @@ SCRIPT: list[tuple[str, dict[str, Any]]] = [
             "max_tokens": 4, "stream": True}),
 ]
 OVER_LIMIT = (CMPL, {"prompt": words(TINY_TABLE.max_length + 1), "max_tokens": 1})
-SMALL_TABLE = BucketTable(lengths=(8, 16), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=32)
+SMALL_TABLE = BucketTable(lengths=(8, 16), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=32,
+                          mixed_tokens=(8, 16))  # the CPU default: mixed steps over the length buckets
 UNWARMED = GraphKey("prefill", 1, 16)
 
 
@@ -49,7 +50,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 def live(checkpoint: str) -> Iterator[Served]:
     settings = tiny_settings(model=checkpoint, compile_backend="dynamo-eager")
     with serve(settings) as served:
-        assert served.engine.table == TINY_TABLE
+        assert served.engine.table == TINY_SERVED_TABLE  # mixed steps on: sequential requests below never mix
         yield served
 
 
@@ -136,8 +137,8 @@ def test_scripted_requests_give_exact_metrics(live: Served) -> None:
     assert after.get("bucketserve_requests_waiting") == 0
     assert eventually(lambda: live.scrape().get("bucketserve_slots_free") == TINY_TABLE.max_batch)
     # compilation: every graph of the table once at warm-up, none since
-    assert_warmed_exactly(after, TINY_TABLE, list(TINY_TABLE.graph_keys()))
-    assert after.get("bucketserve_graphs_total") == TINY_TABLE.num_graphs
+    assert_warmed_exactly(after, live.engine.table, list(live.engine.table.graph_keys()))
+    assert after.get("bucketserve_graphs_total") == live.engine.table.num_graphs
     for reason in RECOMPILE_REASONS:
         assert after.get("bucketserve_recompilations_total", reason=reason) == 0, reason
     assert live.engine.model.accountant.count("serving") == 0

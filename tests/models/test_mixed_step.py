@@ -1,0 +1,84 @@
+"""Mixed steps: decoding rows and prompt pieces of several slots on one token axis give the tokens and logits
+that separate prefill, chunk and decode steps give (and transformers' eager generate)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from buckets import BucketTable
+from models.attention import mixed_plan
+from models.runner import ModelRunner, PrefillRow
+from tests.models.test_runner import reference, warmed
+
+# Mixed token buckets 8 and 16 with 4 slots: a step of 4 decoding rows leaves 12 tokens for prompts.
+MIXED = BucketTable(lengths=(4, 8), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1,), context_length=48,
+                    kv_lengths=(48,), chunked_prefill=True, mixed_tokens=(8, 16))
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_llama: str) -> Iterator[tuple[ModelRunner, torch.nn.Module]]:
+    yield from warmed(tiny_llama, MIXED)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return random.Random(seed).choices(range(5, 400), k=n)
+
+
+def test_mixed_plan_groups_pieces_and_decoding_rows() -> None:
+    # slots 0, 1 decode (positions 9, 3), slot 3 decodes (position 5), slot 2 a piece at 4..6, two pads (slot 9)
+    meta = torch.tensor([[0, 9], [1, 3], [3, 5], [2, 4], [2, 5], [2, 6], [9, 0], [9, 0]])
+    plan = mixed_plan(meta.numpy().tobytes(), 9)
+    assert plan == ((0, 2, -1, (10, 4)), (2, 3, -4, (6,)), (3, 6, 2, (4,)))
+
+
+def test_greedy_tokens_match_generate_when_every_step_is_mixed(mixed) -> None:
+    """Three prompts enter while others decode, one of them cut across two steps; each continues to 10 tokens."""
+    runner, model = mixed
+    prompts = {0: _prompt(1, 5), 1: _prompt(2, 11), 2: _prompt(3, 3)}
+    out: dict[int, list[int]] = {s: [] for s in prompts}
+    # step 1: slot 0 whole (5 tokens) + slot 1's first 3 tokens -> bucket 8
+    logits = runner.mixed(8, prompts[0] + prompts[1][:3], list(range(5)) + list(range(3)), [0] * 5 + [1] * 3, [4])
+    out[0].append(int(logits[0].argmax()))
+    # step 2: slot 0 decodes, slot 1's other 8 tokens, slot 2 whole -> 12 tokens, bucket 16
+    ids = [out[0][-1]] + prompts[1][3:] + prompts[2]
+    pos = [5] + list(range(3, 11)) + list(range(3))
+    logits = runner.mixed(16, ids, pos, [0] + [1] * 8 + [2] * 3, [0, 8, 11])
+    for row, slot in enumerate((0, 1, 2)):
+        out[slot].append(int(logits[row].argmax()))
+    while any(len(t) < 10 for t in out.values()):  # then all three decode in mixed steps (3 tokens, bucket 8)
+        live = [s for s in out if len(out[s]) < 10]
+        ids = [out[s][-1] for s in live]
+        pos = [len(prompts[s]) + len(out[s]) - 1 for s in live]
+        logits = runner.mixed(8, ids, pos, live, list(range(len(live))))
+        for row, slot in enumerate(live):
+            out[slot].append(int(logits[row].argmax()))
+    for slot, ids in prompts.items():
+        assert out[slot] == reference(model, ids, 10), slot
+    assert runner.accountant.count("serving") == 0
+
+
+def test_mixed_logits_equal_separate_prefill_and_decode(mixed) -> None:
+    """Slot 1 decodes while slot 0 takes an 8-token prompt: the same logits as a decode step and a prefill."""
+    runner, _ = mixed
+    first, second = _prompt(7, 6), _prompt(8, 8)
+    runner.prefill([PrefillRow(1, first)], 8, 1)
+    decode_alone = runner.decode(2, torch.tensor([0, 42]), torch.tensor([0, 6])).clone()
+    prefill_alone = runner.prefill([PrefillRow(0, second)], 8, 1).clone()
+    runner.prefill([PrefillRow(1, first)], 8, 1)  # slot 1 back to its prompt only
+    both = runner.mixed(16, [42] + second, [6] + list(range(8)), [1] + [0] * 8, [0, 8])
+    torch.testing.assert_close(both[0], decode_alone[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(both[1], prefill_alone[0], rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_step_refuses_what_does_not_fit(mixed) -> None:
+    runner, _ = mixed
+    with pytest.raises(ValueError):
+        runner.mixed(8, list(range(9)), list(range(9)), [0] * 9, [8])
+    with pytest.raises(ValueError):
+        runner.mixed(8, [1], [0], [4], [0])  # slot 4 is the spare slot, not a row's
+    with pytest.raises(ValueError):
+        runner.mixed(8, [1], [48], [0], [0])  # past the context
