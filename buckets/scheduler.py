@@ -183,6 +183,8 @@ class Scheduler:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be positive")
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
+        if self.policy == "static" and self.table.mixed_tokens:
+            raise ValueError("static batching runs no mixed steps: its table needs chunk graphs, not mixed tokens")
 
     # -- admission -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

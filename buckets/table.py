@@ -355,11 +355,16 @@ def default_kv_lengths(context_length: int) -> tuple[int, ...]:
     return powers_of_two(min(MIN_KV_LENGTH, context_length), context_length)
 
 
+# Most tokens a mixed step carries when prompts are not chunked (else the chunk length): measured on the CPU,
+# 512 made no more output tokens/s than 256 and doubled the inter-token latency p99 (docs/performance.md).
+MIXED_TOKEN_BUDGET = 256
+
+
 def default_mixed_tokens(table: BucketTable) -> tuple[int, ...]:
-    """Token buckets for mixed steps: the length buckets up to the chunk length (the largest length bucket
-    when prompts are not chunked), so a mixed step costs at most about one chunk; () when they cannot hold
-    every decoding row plus a prompt token."""
-    cap = table.chunk_length or table.max_length
+    """Token buckets for mixed steps: the length buckets up to the chunk length (up to MIXED_TOKEN_BUDGET when
+    prompts are not chunked: a mixed step cuts any prompt), so a step costs at most about one chunk; () when
+    they cannot hold every decoding row plus a prompt token."""
+    cap = table.chunk_length or MIXED_TOKEN_BUDGET
     tokens = tuple(n for n in table.lengths if n <= cap)
     return tokens if tokens and tokens[-1] > table.max_batch else ()
 

@@ -37,9 +37,16 @@ def generate_one(
     table = runner.table
     first = min(length_bucket, table.max_length)
     logits = runner.prefill([PrefillRow(0, prompt_ids[:first])], first, prefill_rows)
-    for offset in range(first, len(prompt_ids), table.chunk_length or len(prompt_ids)):
-        part = prompt_ids[offset : offset + table.chunk_length]
-        logits = runner.chunk(0, offset, part, table.kv_for(offset + len(part)))
+    # The rest: mixed steps of up to the budget when the table has them (as the scheduler runs it), else chunks.
+    piece = table.mixed_tokens[-1] if table.mixed_tokens else table.chunk_length or len(prompt_ids)
+    for offset in range(first, len(prompt_ids), piece):
+        part = prompt_ids[offset : offset + piece]
+        if table.mixed_tokens:
+            step_tokens = next(t for t in table.mixed_tokens if t >= len(part))
+            logits = runner.mixed(step_tokens, part, list(range(offset, offset + len(part))), [0] * len(part),
+                                  [len(part) - 1])
+        else:
+            logits = runner.chunk(0, offset, part, table.kv_for(offset + len(part)))
     token = sampler.sample(logits[0]).token_id
     result = GenerationResult([token], "length", time.perf_counter() - t0)
     tokens = torch.zeros(batch, dtype=torch.long)

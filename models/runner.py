@@ -204,8 +204,10 @@ class ModelRunner:
             tp_size=tp_size,  # the cache holds this rank's local KV heads
             max_mixed_tokens=table.mixed_tokens[-1] if table.mixed_tokens else 0,
         )
-        if table.mixed_tokens and any(kind != "full_attention" for kind in self.storage.layer_types):
-            raise ValueError("mixed steps need full-attention layers (their attention op has no sliding window)")
+        if table.mixed_tokens and (any(kind != "full_attention" for kind in self.storage.layer_types)
+                                   or self.device.type != "cpu" or tp_size > 1):
+            # Their attention op runs on the CPU, without sliding windows; under TP no plan carries them.
+            raise ValueError("mixed steps need full-attention layers, the CPU and one rank")
         self.keys = list(table.graph_keys())
         self._known = {(k.phase, k.batch, k.length): k for k in self.keys}
         self.warmed: set[tuple[str, int, int]] = set()

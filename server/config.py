@@ -162,11 +162,13 @@ class ServerSettings:
                 )
         except BucketError as exc:
             raise SettingsError(f"buckets: {exc}") from exc
-        if self.wants_mixed_steps and mixed_ok:
-            try:
-                table = replace(table, mixed_tokens=default_mixed_tokens(table))
-            except BucketError as exc:
-                raise SettingsError(f"buckets: {exc}") from exc
+        # Set either way: a buckets file may carry mixed tokens (a saved table), which only apply where mixed
+        # steps can run; a file's own token buckets win over the defaults.
+        mixed = (table.mixed_tokens or default_mixed_tokens(table)) if self.wants_mixed_steps and mixed_ok else ()
+        try:
+            table = replace(table, mixed_tokens=mixed)
+        except BucketError as exc:
+            raise SettingsError(f"buckets: {exc}") from exc
         if table.context_length > model_max_length:
             raise SettingsError(
                 f"buckets: context length {table.context_length} exceeds the model's limit of {model_max_length}"

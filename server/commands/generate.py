@@ -44,9 +44,14 @@ def _generate_lead(args: argparse.Namespace, settings: ServerSettings, mesh_spec
     table = model.table
     last_kv = table.kv_for(len(ids) + params.max_tokens)
     decode_keys = [GraphKey("decode", table.batch_sizes[0], kv) for kv in table.kv_lengths if kv <= last_kv]
-    # A prompt past the largest length bucket is prefilled in chunks: its first chunk, then chunk graphs.
+    # A prompt past the largest length bucket is prefilled in pieces: its first chunk, then mixed steps of up to
+    # the budget (the CPU default) or chunk graphs.
     chunked = bucket > table.max_length
     chunk_keys = [GraphKey("chunk", 1, kv) for kv in table.chunk_kv_lengths if kv <= last_kv] if chunked else []
+    if chunked and table.mixed_tokens:
+        rest = range(table.max_length, len(ids), table.mixed_budget)
+        chunk_keys = sorted({GraphKey("mixed", table.max_batch, table.mixed_for(min(table.mixed_budget, len(ids) - o)))
+                             for o in rest})
     prefill_key = GraphKey("prefill", table.prefill_batch_sizes[0], min(bucket, table.max_length))
     model.load_and_warm([*decode_keys, *chunk_keys, prefill_key])
     warm = time.monotonic() - t0

@@ -287,7 +287,10 @@ class Engine:
             raise  # the ranks are out of step: the engine cannot go on
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
             log.exception("step %s failed", type(step).__name__)
-            for seq in step.seqs:
+            # A failed mixed step fails the prompts it carried; its decoding rows just run again next step (their
+            # token is rewritten at the same position), as they would have after a failed prefill.
+            failed = tuple(p.seq for p in step.pieces) if isinstance(step, MixedStep) else step.seqs
+            for seq in failed:
                 self._finish_error(seq.request_id, f"{type(exc).__name__}: {exc}")
             return
         with self._lock:

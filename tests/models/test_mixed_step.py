@@ -9,9 +9,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from buckets import BucketTable
+from buckets import BucketTable, GraphKey
 from models.attention import mixed_plan
+from models.compile import CompileSettings
+from models.generator import generate_one
+from models.loading import load_model
 from models.runner import ModelRunner, PrefillRow
+from models.sampling import SamplingParams
 from tests.models.test_runner import reference, warmed
 
 # Mixed token buckets 8 and 16 with 4 slots: a step of 4 decoding rows leaves 12 tokens for prompts.
@@ -33,6 +37,9 @@ def test_mixed_plan_groups_pieces_and_decoding_rows() -> None:
     meta = torch.tensor([[0, 9], [1, 3], [3, 5], [2, 4], [2, 5], [2, 6], [9, 0], [9, 0]])
     plan = mixed_plan(meta.numpy().tobytes(), 9)
     assert plan == ((0, 2, -1, (10, 4)), (2, 3, -4, (6,)), (3, 6, 2, (4,)))
+    # a piece in slot 0 right after decoding rows, and a one-token piece joining the decoding run before it
+    meta = torch.tensor([[1, 4], [2, 0], [0, 0], [0, 1], [3, 3]])
+    assert mixed_plan(meta.numpy().tobytes(), 9) == ((0, 2, -2, (5, 1)), (2, 4, 0, (0,)), (4, 5, -4, (4,)))
 
 
 def test_greedy_tokens_match_generate_when_every_step_is_mixed(mixed) -> None:
@@ -82,3 +89,31 @@ def test_mixed_step_refuses_what_does_not_fit(mixed) -> None:
         runner.mixed(8, [1], [0], [4], [0])  # slot 4 is the spare slot, not a row's
     with pytest.raises(ValueError):
         runner.mixed(8, [1], [48], [0], [0])  # past the context
+
+
+def test_the_inductor_mixed_graph_gives_the_eager_logits(tiny_llama: str, mixed) -> None:
+    """The compiled path: inductor's in-place cache writes and the opaque attention op in one graph (bf16,
+    prepacked linears: the CPU default) against the same steps run eagerly."""
+    eager = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), MIXED, CompileSettings(backend="eager"))
+    compiled = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), MIXED, CompileSettings(backend="inductor"))
+    compiled.warmup([GraphKey("mixed", 4, 8), GraphKey("mixed", 4, 16)])
+    first, second, third = _prompt(11, 6), _prompt(12, 7), _prompt(13, 3)
+    steps = [  # two prompts enter (13 tokens), then both decode while a third enters (5 tokens)
+        (16, first + second, [*range(6), *range(7)], [0] * 6 + [1] * 7, [5, 12]),
+        (8, [50, 60] + third, [6, 7, *range(3)], [0, 1, 2, 2, 2], [0, 1, 4]),
+    ]
+    for tokens, ids, positions, slots, keep in steps:
+        want = eager.mixed(tokens, ids, positions, slots, keep)[: len(keep)].float()
+        got = compiled.mixed(tokens, ids, positions, slots, keep)[: len(keep)].float()
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert compiled.accountant.count("serving") == 0
+
+
+def test_generate_one_continues_a_long_prompt_in_mixed_steps(mixed) -> None:
+    runner, model = mixed
+    ids = _prompt(21, 30)  # a prefill of 8, then mixed steps of 16 and 6 tokens
+    calls = runner.calls[GraphKey("mixed", 4, 16)] + runner.calls[GraphKey("mixed", 4, 8)]
+    got = generate_one(runner, ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), MIXED.length_for(30))
+    assert got.token_ids == reference(model, ids, 8)
+    assert runner.calls[GraphKey("mixed", 4, 16)] + runner.calls[GraphKey("mixed", 4, 8)] == calls + 2

@@ -75,3 +75,20 @@ def test_a_buckets_file_can_be_chunked(tmp_path) -> None:
     assert not ServerSettings(buckets_file=str(path)).bucket_table(4096).chunked_prefill
     with pytest.raises(SettingsError, match="largest bucket 256"):
         ServerSettings(buckets_file=str(path), prefill_chunk_size=128).bucket_table(4096)
+
+
+def test_mixed_tokens_of_a_buckets_file_apply_only_where_mixed_steps_run(tmp_path) -> None:
+    from buckets import BucketTable
+
+    path = tmp_path / "buckets.json"
+    BucketTable(lengths=(64, 128), batch_sizes=(1, 4), context_length=512, mixed_tokens=(64, 128)).save(path)
+    assert ServerSettings(buckets_file=str(path)).bucket_table(4096).mixed_tokens == (64, 128)
+    for off in (dict(mixed_steps=False), dict(batching="static"), dict(device="cuda"), dict(tensor_parallel_size=2)):
+        table = ServerSettings(buckets_file=str(path), **off).bucket_table(4096)  # type: ignore[arg-type]
+        assert table.mixed_tokens == (), off
+
+
+def test_mixed_budget_is_capped_without_chunking() -> None:
+    # no chunked prefill: length buckets up to 2048, mixed steps up to 256 tokens (they cut any prompt)
+    assert parse(["--prefill-chunk-size", "0"]).bucket_table(2048).mixed_tokens == (64, 128, 256)
+    assert parse(["--prefill-chunk-size", "512"]).bucket_table(2048).mixed_tokens == (64, 128, 256, 512)

@@ -63,6 +63,8 @@ def assert_greedy_matches_solo(tmp_path, reference_model, work, table, pause) ->
             results = await asyncio.gather(*(collect(h) for h in handles))
             assert engine.model.accountant.count("serving") == 0  # zero compilations after warm-up
             assert engine.model.accountant.count("warmup") == engine.table.num_graphs
+            if engine.table.mixed_tokens:  # prompts joined running batches: some rode in mixed steps
+                assert any(key.phase == "mixed" for key in engine.model.runner.calls)
             return [tokens for tokens, _ in results]
         finally:
             engine.stop()
@@ -284,3 +286,35 @@ def test_submit_many_admits_all_or_none(tmp_path) -> None:
             engine.stop()
 
     asyncio.run(main())
+
+
+def test_a_failed_mixed_step_fails_its_prompt_and_the_decoding_rows_go_on(tmp_path, reference_model) -> None:
+    rng = random.Random(9)
+    decoding_ids, prompt_ids = rng.choices(range(10, 400), k=6), rng.choices(range(10, 400), k=5)
+
+    async def main() -> tuple[list[int], tuple[list[int], str | None]]:
+        settings = tiny_settings(compile_backend="dynamo-eager")
+        engine = await started(tiny_engine(tmp_path, settings=settings, table=MIXED_TABLE))
+        runner = engine.model.runner
+        assert runner is not None
+        real = runner.mixed
+
+        def fails_once(*args, **kwargs):
+            runner.mixed = real  # type: ignore[method-assign]
+            raise RuntimeError("mixed step failed")
+
+        try:
+            decoding = engine.submit(decoding_ids, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+            it = decoding.__aiter__()
+            first = await it.__anext__()  # it decodes now: the next prompt rides in a mixed step
+            runner.mixed = fails_once  # type: ignore[method-assign]
+            failed = await collect(engine.submit(prompt_ids, SamplingParams(max_tokens=3, ignore_eos=True)))
+            rest = [e.token_id for e in [ev async for ev in it] if e.token_id is not None]
+            assert engine.is_alive() and engine.num_running() == 0
+            return [first.token_id, *rest], failed
+        finally:
+            engine.stop()
+
+    tokens, (failed_tokens, reason) = asyncio.run(main())
+    assert failed_tokens == [] and reason == "error"
+    assert tokens == solo(reference_model, decoding_ids, 20)  # no token lost or repeated by the failed step

@@ -233,6 +233,7 @@ def test_series_exist_at_zero_with_bounded_label_sets() -> None:
         lambda m: m.prefill_done(GraphKey("prefill", 2, 64), 3, 0, 0.1),  # more rows than the bucket
         lambda m: m.prefill_done(GraphKey("prefill", 1, 64), 1, 64, 0.1),  # a real row has >= 1 token
         lambda m: m.prefill_done(GraphKey("prefill", 1, 64), 1, -1, 0.1),
+        lambda m: m.mixed_done(GraphKey("mixed", 4, 64), 2, 10, 0.1),  # no mixed graphs in this table
         lambda m: m.decode_step_done(3, 1, 0.1, 0),  # 3 is no batch bucket
         lambda m: m.decode_step_done(2, 3, 0.1, 0),
         lambda m: m.decode_step_done(4, 2, 0.1, 3),  # more pad rows than free rows
@@ -254,6 +255,21 @@ def test_out_of_range_calls_raise_and_change_nothing(call: object) -> None:
     with pytest.raises(ValueError):
         call(m)  # type: ignore[operator]
     assert samples(m) == before
+
+
+def test_mixed_steps_count_their_rows_padding_and_seconds() -> None:
+    m = make(table=BucketTable(lengths=(64, 128), batch_sizes=(1, 4), context_length=384, mixed_tokens=(64, 128)))
+    m.mixed_done(GraphKey("mixed", 4, 128), decode_rows=3, padding_tokens=20, seconds=0.15)
+    m.mixed_done(GraphKey("mixed", 4, 64), decode_rows=4, padding_tokens=0, seconds=0.05)
+    s = samples(m)
+    assert val(s, "mixed_decode_rows_total") == 7
+    assert val(s, "padding_tokens_total", phase="prefill") == 20
+    assert val(s, "mixed_step_seconds_count") == 2
+    assert math.isclose(val(s, "mixed_step_seconds_sum"), 0.2)
+    assert val(s, "decode_step_seconds_count") == 0  # pure decode steps only
+    for bad in ((GraphKey("mixed", 4, 64), 5, 0, 0.1), (GraphKey("mixed", 4, 64), 1, 64, 0.1)):
+        with pytest.raises(ValueError):  # more rows than slots; no prompt token at all
+            m.mixed_done(*bad)
 
 
 def test_endpoint_label_values_are_capped() -> None:
