@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -109,10 +110,9 @@ def test_add_many_is_all_or_none_and_checks_sizes_first() -> None:
     assert [q.request_id for q in s.waiting] == ["a", "b", "c"] and s.waiting_tokens == 15
 
 
-def test_random_workload_is_fcfs_and_completes() -> None:
-    rng = random.Random(0)
-    s = Scheduler(TABLE, max_waiting_requests=1000, max_waiting_tokens=10**6)
-    seqs = [seq(f"r{i}", rng.randint(1, 32), rng.randint(1, 20)) for i in range(60)]
+def run_all(s: Scheduler, seqs: list[Sequence], check: Callable[[object], None]) -> list[str]:
+    """Queue `seqs`, run the scheduler until idle (one token per sampling row), check each step; every request
+    must finish with all its tokens. Returns request ids in the order their prompts started."""
     for q in seqs:
         s.add(q)
     started: list[str] = []
@@ -121,12 +121,25 @@ def test_random_workload_is_fcfs_and_completes() -> None:
         step = s.schedule()
         if step is None:
             break
-        if isinstance(step, PrefillStep):
-            started += [q.request_id for q in step.seqs]
-            assert len({q.slot for q in s.running.values()}) == len(s.running) <= TABLE.max_batch
-        done |= {q.request_id for q in s.update(step, {q.request_id: 1 for q in step.seqs})}
+        new = step.seqs if isinstance(step, PrefillStep) else \
+            [p.seq for p in step.pieces if p.offset == 0] if isinstance(step, MixedStep) else []
+        started += [q.request_id for q in new]
+        check(step)
+        done |= {q.request_id for q in s.update(step, {q.request_id: 1 for q in step.sampling_seqs})}
     assert done == {q.request_id for q in seqs}
     assert all(q.num_generated == q.max_tokens for q in seqs)
+    return started
+
+
+def test_random_workload_is_fcfs_and_completes() -> None:
+    rng = random.Random(0)
+    s = Scheduler(TABLE, max_waiting_requests=1000, max_waiting_tokens=10**6)
+    seqs = [seq(f"r{i}", rng.randint(1, 32), rng.randint(1, 20)) for i in range(60)]
+
+    def check(step: object) -> None:
+        assert len({q.slot for q in s.running.values()}) == len(s.running) <= TABLE.max_batch
+
+    started = run_all(s, seqs, check)
     # FCFS per bucket: within one length bucket, requests start in arrival order.
     for bucket in TABLE.lengths:
         order = [r for r in started if next(q for q in seqs if q.request_id == r).bucket == bucket]
@@ -299,21 +312,10 @@ def test_mixed_workload_completes_fcfs_with_every_token() -> None:
     rng = random.Random(1)
     s = Scheduler(MIXED, max_waiting_requests=1000, max_waiting_tokens=10**6)
     seqs = [seq(f"r{i}", rng.randint(1, 40), rng.randint(1, 12)) for i in range(50)]
-    for q in seqs:
-        s.add(q)
-    started: list[str] = []
-    done: set[str] = set()
-    for _ in range(10_000):
-        step = s.schedule()
-        if step is None:
-            break
-        new = step.seqs if isinstance(step, PrefillStep) else \
-            [p.seq for p in step.pieces if p.offset == 0] if isinstance(step, MixedStep) else []
-        started += [q.request_id for q in new]
+
+    def check(step: object) -> None:
         if isinstance(step, MixedStep):
             assert len(step.decode) + step.prompt_tokens <= step.tokens <= MIXED.mixed_budget
             assert sum(1 for q in s.running.values() if 0 < q.prefilled < q.prompt_len) <= 1
-        done |= {q.request_id for q in s.update(step, {q.request_id: 1 for q in step.sampling_seqs})}
-    assert done == {q.request_id for q in seqs}
-    assert all(q.num_generated == q.max_tokens for q in seqs)
-    assert started == [q.request_id for q in seqs]  # one queue, served in arrival order
+
+    assert run_all(s, seqs, check) == [q.request_id for q in seqs]  # one queue, served in arrival order
