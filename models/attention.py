@@ -25,7 +25,7 @@ tokens of consecutive slots are decoding rows, attended as a decode batch (the r
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -97,29 +97,39 @@ def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return torch.empty_like(query)
 
 
+class Call(NamedTuple):
+    """One SDPA call of a mixed step: tokens [first, last) of slots from `slot`. A prompt piece (`decoding`
+    False) is one slot's tokens at consecutive positions from extents[0]; a decoding run (`decoding` True) is
+    one token per slot of consecutive slots, extents[i] = its position + 1."""
+
+    first: int
+    last: int
+    slot: int
+    extents: tuple[int, ...]
+    decoding: bool
+
+
 @functools.lru_cache(maxsize=256)
-def mixed_plan(meta: bytes, spare: int) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
-    """meta: the (slot, position) int64 pairs of a mixed step's tokens -> calls (first token, last token + 1,
-    first slot, extents). A call is a prompt piece (one slot; extents = (position of its first token,)) or a
-    run of decoding rows of consecutive slots (one token each; extents = position + 1 per row): the
-    decoding rows' flag is a negative first slot (-1 - slot). Padding tokens (slot `spare`) are left out."""
+def mixed_plan(meta: bytes, spare: int) -> tuple[Call, ...]:
+    """meta: the (slot, position) int64 pairs of a mixed step's tokens -> its SDPA calls (once per step: the
+    30 layers ask with the same bytes). Padding tokens (slot `spare`) are left out."""
     pairs = np.frombuffer(meta, dtype=np.int64).reshape(-1, 2).tolist()
-    calls: list[tuple[int, int, int, tuple[int, ...]]] = []
+    calls: list[Call] = []
     t, n = 0, len(pairs)
     while t < n:
         slot, pos = pairs[t]
         end = t + 1
         while end < n and pairs[end][0] == slot and pairs[end][1] == pairs[end - 1][1] + 1:
             end += 1
+        last = calls[-1] if calls else None
         if slot == spare:
             pass
         elif end - t > 1:
-            calls.append((t, end, slot, (pos,)))
-        elif calls and calls[-1][2] < 0 and calls[-1][1] == t and -1 - calls[-1][2] + len(calls[-1][3]) == slot:
-            first, _, s0, ext = calls[-1]
-            calls[-1] = (first, end, s0, ext + (pos + 1,))
+            calls.append(Call(t, end, slot, (pos,), False))
+        elif last is not None and last.decoding and last.last == t and last.slot + len(last.extents) == slot:
+            calls[-1] = last._replace(last=end, extents=last.extents + (pos + 1,))  # the next slot's row
         else:
-            calls.append((t, end, -1 - slot, (pos + 1,)))
+            calls.append(Call(t, end, slot, (pos + 1,), True))
         t = end
     return tuple(calls)
 
@@ -131,6 +141,12 @@ def _row_mask(extents: tuple[int, ...], width: int, dtype: torch.dtype) -> torch
     return torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf")).view(len(extents), 1, 1, width)
 
 
+@functools.lru_cache(maxsize=64)
+def _piece_mask(start: int, n: int) -> torch.Tensor:
+    """[n, start + n] bool: token i of a piece starting at position `start` sees positions [0, start + i]."""
+    return torch.arange(start + n).view(1, -1) <= torch.arange(start, start + n).view(-1, 1)
+
+
 def _mixed_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """query [1, H, T, D]; key/value [S + 1, H_kv, C, D] (slot S: padding); meta [1, 1, T, 2] long (slot,
@@ -138,16 +154,16 @@ def _mixed_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     heads, dim, kv_heads = query.shape[1], query.shape[3], key.shape[1]
     out = torch.zeros_like(query)
     q, o = query[0], out[0]  # [H, T, D]
-    for first, last, s0, ext in mixed_plan(meta.numpy().tobytes(), key.shape[0] - 1):
-        if s0 >= 0:  # a prompt piece: causal over its slot, offset by its first position
+    for first, last, s0, ext, decoding in mixed_plan(meta.numpy().tobytes(), key.shape[0] - 1):
+        if not decoding:  # a prompt piece: causal over its slot, offset by its first position
             p0, n = ext[0], last - first
             k, v = key[s0 : s0 + 1, :, : p0 + n], value[s0 : s0 + 1, :, : p0 + n]
-            mask = None if p0 == 0 else (torch.arange(p0 + n).view(1, -1) <= torch.arange(p0, p0 + n).view(-1, 1))
-            res = F.scaled_dot_product_attention(q[None, :, first:last], k, v, attn_mask=mask, is_causal=p0 == 0,
-                                                 scale=scale, enable_gqa=heads != kv_heads)
+            res = F.scaled_dot_product_attention(q[None, :, first:last], k, v,
+                                                 attn_mask=None if p0 == 0 else _piece_mask(p0, n),
+                                                 is_causal=p0 == 0, scale=scale, enable_gqa=heads != kv_heads)
             o[:, first:last] = res[0]
             continue
-        s0 = -1 - s0  # decoding rows: query heads of a KV group packed on the query axis, as in a decode step
+        # decoding rows: query heads of a KV group packed on the query axis, as in a decode step
         packed = q[:, first:last].transpose(0, 1).reshape(last - first, kv_heads, heads // kv_heads, dim)
         for a, b, w in segments(ext):
             res = F.scaled_dot_product_attention(packed[a:b], key[s0 + a : s0 + b, :, :w],

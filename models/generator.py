@@ -42,9 +42,8 @@ def generate_one(
     for offset in range(first, len(prompt_ids), piece):
         part = prompt_ids[offset : offset + piece]
         if table.mixed_tokens:
-            step_tokens = next(t for t in table.mixed_tokens if t >= len(part))
-            logits = runner.mixed(step_tokens, part, list(range(offset, offset + len(part))), [0] * len(part),
-                                  [len(part) - 1])
+            where = list(range(offset, offset + len(part)))
+            logits = runner.mixed(table.mixed_for(len(part)), part, where, [0] * len(part), [len(part) - 1])
         else:
             logits = runner.chunk(0, offset, part, table.kv_for(offset + len(part)))
     token = sampler.sample(logits[0]).token_id
