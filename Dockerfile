@@ -45,6 +45,11 @@ RUN set -eux; set -f; \
     bucketserve --help > /dev/null
 
 FROM ${BASE_IMAGE}
+# A C/C++ compiler at run time: inductor compiles the CPU graphs' kernels with it (on a cold compile cache), and
+# models/native.py builds the decode-attention kernel with it (once per machine, kept in the compile cache).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 bucketserve \
  && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/bucketserve --shell /usr/sbin/nologin bucketserve \
  && mkdir -p /var/cache/bucketserve/compile /models \

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.native import decode_attention
+
 ATTENTION = "bucketserve_sdpa"
 _registered = False
 # How rows are split into SDPA calls, in units of one row-position of a batched call: measured with SmolLM2's
@@ -86,9 +88,14 @@ def _attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """query [b, H, q, D], key/value [b, H_kv, K, D] (H a multiple of H_kv), mask [b, 1, q, K] additive float
     (0 = attend; q may be 1 and broadcast over packed query heads). Returns [b, H, q, D]."""
     gqa = query.shape[1] != key.shape[1]
+    extents = _extents(mask)
+    if mask.shape[2] == 1 and not gqa:  # decode: one query token, heads packed [b, H_kv, G, D]
+        out = decode_attention(query, key, value, np.arange(len(extents)), np.asarray(extents), scale)
+        if out is not None:
+            return out
     parts = [F.scaled_dot_product_attention(query[a:b], key[a:b, :, :w], value[a:b, :, :w],
                                             attn_mask=mask[a:b, ..., :w], scale=scale, enable_gqa=gqa)
-             for a, b, w in segments(_extents(mask))]
+             for a, b, w in segments(extents)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -165,6 +172,10 @@ def _mixed_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             continue
         # decoding rows: query heads of a KV group packed on the query axis, as in a decode step
         packed = q[:, first:last].transpose(0, 1).reshape(last - first, kv_heads, heads // kv_heads, dim)
+        fast = decode_attention(packed, key, value, np.arange(s0, s0 + len(ext)), np.asarray(ext), scale)
+        if fast is not None:
+            o[:, first:last] = fast.reshape(last - first, heads, dim).transpose(0, 1)
+            continue
         for a, b, w in segments(ext):
             res = F.scaled_dot_product_attention(packed[a:b], key[s0 + a : s0 + b, :, :w],
                                                  value[s0 + a : s0 + b, :, :w],

@@ -39,6 +39,8 @@ class CompileSettings:
     # CPU bf16/fp16 linears through prepacked oneDNN weights (models/prepack.py); ignored where unsupported,
     # under freezing (which packs inside the graph) and on the Neuron backend.
     weight_prepack: bool = True
+    # CPU bf16 decoding rows' attention in the native kernel (models/native.py); SDPA where it does not apply.
+    native_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
+from models import native
 from models.artifacts import GraphStore, aot_compile, label_of, model_fingerprint
 from models.compile import (
     CompileAccountant,
@@ -192,6 +193,7 @@ class ModelRunner:
         # freezing packs inside the graph instead, Neuron compiles its own matmuls, a TP shard is a DTensor.
         wants_prepack = compile_settings.weight_prepack and not compile_settings.inductor_freezing \
             and compile_settings.backend != "neuron" and tp_size == 1
+        native.configure(compile_settings.native_attention)
         self.prepacked = prepack(model) if wants_prepack and prepack_supported(self.dtype, self.device) else 0
         if self.prepacked:
             log.info("%d linear weights prepacked for oneDNN (a second copy of each)", self.prepacked)

@@ -58,6 +58,13 @@ def test_torch_is_installed_before_the_package(commands: list[Any]) -> None:
     assert torch_command[0] < copies[0], "source changes must not invalidate the torch layer"
 
 
+def test_final_stage_has_a_compiler(commands: list[Any]) -> None:
+    """Inductor's CPU kernels and the native decode attention are compiled on the serving machine."""
+    final = max(i for i, c in enumerate(commands) if c.cmd == "FROM")
+    runs = [c.value[0] for c in commands[final:] if c.cmd == "RUN"]
+    assert any("apt-get install" in run and "g++" in run for run in runs)
+
+
 def test_final_stage_runs_as_the_charts_user(commands: list[Any]) -> None:
     stage = final_stage(commands)
     users = [c.value[0] for c in stage if c.cmd == "USER"]

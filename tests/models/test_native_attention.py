@@ -1,0 +1,123 @@
+"""The native decode-attention kernel (models/native.py): it builds here, equals attention in float32 to bf16
+rounding over each row's own slot and extent, never reads past an extent, and the attention ops use it for
+bf16 decoding rows (falling back to SDPA where it does not apply or is switched off)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import native
+from models.attention import mixed_plan, packed_sdpa
+from tests.models.test_attention import FakeAttention
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[int], extents: list[int],
+               scale: float) -> torch.Tensor:
+    """float32 attention of row r (q [R, H_kv, G, D]) over positions [0, extents[r]) of slot slots[r]."""
+    rows = [F.scaled_dot_product_attention(q[r : r + 1].float(), k[s : s + 1, :, :e].float(),
+                                           v[s : s + 1, :, :e].float(), scale=scale)
+            for r, (s, e) in enumerate(zip(slots, extents, strict=True))]
+    return torch.cat(rows)
+
+
+def _poisoned_cache(slots: int, heads: int, context: int, dim: int, extents: dict[int, int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 K/V [slots, heads, context, dim], NaN past each listed slot's extent: reading there shows."""
+    k = torch.randn(slots, heads, context, dim).to(torch.bfloat16)
+    v = torch.randn(slots, heads, context, dim).to(torch.bfloat16)
+    for slot, extent in extents.items():
+        k[slot, :, extent:] = float("nan")
+        v[slot, :, extent:] = float("nan")
+    return k, v
+
+
+def test_the_kernel_builds_and_loads_here() -> None:
+    """CI machines have the C compiler inductor needs; a silent fallback would only show as a slow bench."""
+    assert native.available()
+
+
+@pytest.mark.parametrize(("groups", "dim"), [(3, 64), (4, 64), (4, 128), (2, 16), (5, 32), (1, 64)])
+def test_kernel_equals_float32_attention_over_each_rows_slot(groups: int, dim: int) -> None:
+    torch.manual_seed(groups * 1000 + dim)
+    heads, context = 2, 80
+    # Rows read slots out of order; extents cover 1, a block edge (16), one past it, and the whole slot.
+    slots, extents = [4, 0, 2, 5, 1, 3], [1, 15, 16, 17, 47, 80]
+    k, v = _poisoned_cache(6, heads, context, dim, dict(zip(slots, extents, strict=True)))
+    q = torch.randn(len(slots), heads, groups, dim).to(torch.bfloat16)
+    scale = dim ** -0.5
+    got = native.decode_attention(q, k, v, np.array(slots), np.array(extents), scale)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert torch.isfinite(got).all()  # nothing past an extent was read
+    want = _reference(q, torch.nan_to_num(k), torch.nan_to_num(v), slots, extents, scale)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)  # bf16 rounding of the result
+
+
+def test_kernel_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k = torch.randn(2, 2, 3, 64), torch.randn(2, 2, 32, 64)
+    ext, slots = np.array([5, 9]), np.arange(2)
+    assert native.decode_attention(q, k, k, slots, ext, 0.125) is None  # float32: the reference path, SDPA
+    odd_q, odd_k = torch.randn(2, 2, 3, 24).bfloat16(), torch.randn(2, 2, 32, 24).bfloat16()
+    assert native.decode_attention(odd_q, odd_k, odd_k, slots, ext, 0.2) is None  # head dim not a multiple of 16
+    q16, k16 = q.bfloat16(), k.bfloat16()
+    with pytest.raises(ValueError, match="out of range"):
+        native.decode_attention(q16, k16, k16, slots, np.array([5, 33]), 0.125)
+    monkeypatch.setitem(native._switch, "on", False)
+    assert native.decode_attention(q16, k16, k16, slots, ext, 0.125) is None
+
+
+def _decode_mask(extents: list[int], context: int) -> torch.Tensor:
+    seen = torch.arange(context)[None] < torch.tensor(extents)[:, None]
+    return torch.where(seen, 0.0, float("-inf")).to(torch.bfloat16).view(len(extents), 1, 1, context)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each call the attention ops make to the kernel: whether it ran (True) or declined (False)."""
+    calls: list[bool] = []
+    real = native.decode_attention
+
+    def counted(*args: object) -> torch.Tensor | None:
+        out = real(*args)  # type: ignore[arg-type]
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr("models.attention.decode_attention", counted)
+    return calls
+
+
+def test_decode_step_attention_uses_the_kernel_and_matches_sdpa(monkeypatch: pytest.MonkeyPatch,
+                                                                 kernel_calls: list[bool]) -> None:
+    torch.manual_seed(1)
+    kv, groups, dim, context = 2, 3, 64, 64
+    extents = [3, 40, 17, 64]
+    q = torch.randn(4, kv * groups, 1, dim).to(torch.bfloat16)
+    k, v = _poisoned_cache(4, kv, context, dim, dict(enumerate(extents)))
+    ours, _ = packed_sdpa(FakeAttention(), q, k, v, _decode_mask(extents, context), scaling=dim ** -0.5)
+    assert kernel_calls == [True] and torch.isfinite(ours).all()
+    monkeypatch.setitem(native._switch, "on", False)
+    clean_k, clean_v = torch.nan_to_num(k), torch.nan_to_num(v)
+    sdpa, _ = packed_sdpa(FakeAttention(), q, clean_k, clean_v, _decode_mask(extents, context), scaling=dim ** -0.5)
+    assert kernel_calls == [True, False]
+    torch.testing.assert_close(ours.float(), sdpa.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_mixed_step_decoding_rows_use_the_kernel(monkeypatch: pytest.MonkeyPatch, kernel_calls: list[bool]) -> None:
+    """A mixed step of two decoding rows (slots 1, 2) and a prompt piece (slot 0): the same output with the
+    kernel and with SDPA."""
+    torch.manual_seed(2)
+    kv, groups, dim, context = 2, 3, 64, 48
+    heads = kv * groups
+    pairs = [(1, 20), (2, 33), (0, 0), (0, 1), (0, 2), (3, 0)]  # slot 3: the spare slot (padding)
+    meta = torch.tensor(pairs, dtype=torch.long).view(1, 1, len(pairs), 2)
+    assert [c.decoding for c in mixed_plan(meta.numpy().tobytes(), 3)] == [True, False]
+    q = torch.randn(1, heads, len(pairs), dim).to(torch.bfloat16)
+    k, v = torch.randn(4, kv, context, dim).to(torch.bfloat16), torch.randn(4, kv, context, dim).to(torch.bfloat16)
+    ours = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
+    assert kernel_calls == [True]
+    monkeypatch.setitem(native._switch, "on", False)
+    sdpa = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
+    torch.testing.assert_close(ours.float(), sdpa.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(ours[:, :, 2:], sdpa[:, :, 2:])  # the prompt piece and padding never take the kernel
