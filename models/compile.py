@@ -39,8 +39,9 @@ class CompileSettings:
     # CPU bf16/fp16 linears through prepacked oneDNN weights (models/prepack.py); ignored where unsupported,
     # under freezing (which packs inside the graph) and on the Neuron backend.
     weight_prepack: bool = True
-    # CPU bf16 decoding rows' attention in the native kernel (models/native.py); SDPA where it does not apply.
-    native_attention: bool = True
+    # CPU bf16: bucketserve's own kernels (models/native.py) for decoding rows' attention and linears of 1-4
+    # rows; SDPA and oneDNN where they do not apply.
+    native_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -1,20 +1,25 @@
-"""The native decode-attention kernel (models/csrc/decode_attention.c): built once per machine with the C
-compiler the CPU path already needs (inductor compiles its kernels with it), loaded through ctypes, and used by
-the attention ops for decoding rows of bfloat16 models.
+"""bucketserve's own CPU kernels (models/csrc/): decode attention and small-batch bf16 matmuls. Built once per
+machine with the C compiler the CPU path already needs (inductor compiles its kernels with it), loaded through
+ctypes, and used by the attention ops (decoding rows) and the prepacked linear op (steps of 1-4 rows) of
+bfloat16 models.
 
-Why a kernel of our own: a decode row has one query token, so per KV head a handful of queries (three for
-SmolLM2) against the row's positions. PyTorch's CPU SDPA is built for long query blocks and spends a decode
-step's attention in per-block overhead: 0.8 ms a layer for 16 rows at 250 positions (24 ms of a 77 ms bf16
-step), ~2 GB/s of K/V. The kernel reads each row's K and V once, only the positions it sees, in one pass: 1.8-2.5x
-faster (measured in docs/performance.md). float32 models keep SDPA (the reference path, token-identical to
-transformers); so do other dtypes, unusual head shapes, and machines where the build fails (logged once).
+Why kernels of our own (measured in docs/performance.md, one thread):
+- Decode attention. A decode row has one query token, so per KV head a handful of queries (three for SmolLM2)
+  against the row's positions. PyTorch's CPU SDPA is built for long query blocks and spends a decode step's
+  attention in per-block overhead: 0.8 ms a layer for 16 rows at 250 positions (24 ms of a 77 ms bf16 step),
+  ~2 GB/s of K/V. The kernel reads each row's K and V once, only the positions it sees, in one pass: ~2x.
+- Small matmuls. A decode step's linears read every weight once for a few rows: memory-bound. oneDNN's bf16
+  matmul reads ~8.5 GB/s here; the kernel streams each weight row once with AVX512-BF16 dot products at 10.5-11.4
+  GB/s (1.4x at one row, 1.16x at four; oneDNN from eight rows on).
+float32 models keep SDPA and MKL (the reference path, token-identical to transformers); so do other dtypes,
+shapes the kernels do not take, and machines where the build fails (logged once).
 
 The build: `$CC` (default gcc, else cc) with -O3 -march=native (built and run on the same machine; the CPU's
 flags are part of the cache key, so a cache shared by different machines never serves a wrong build) and
 OpenMP when the compiler has it. Output below the compile cache (TORCHINDUCTOR_CACHE_DIR, as the graphs):
-`<cache>/bucketserve-native/<key>/decode_attention.so`, written to a temporary name and renamed (processes
-building at once do not see a partial file). `--no-native-attention` turns the kernel off: the runner sets the
-process-wide switch (`configure`), as inductor's settings are process-wide too.
+`<cache>/bucketserve-native/<key>/kernels.so`, written to a temporary name and renamed (processes building at
+once do not see a partial file). `--no-native-kernels` turns them off: the runner sets the process-wide switch
+(`configure`), as inductor's settings are process-wide too.
 """
 
 from __future__ import annotations
@@ -35,15 +40,17 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCES = (Path(__file__).with_name("csrc") / "decode_attention.c", Path(__file__).with_name("csrc") / "small_matmul.c")
+SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 _LOCK = threading.Lock()
-_state: dict[str, object] = {}  # "fn": the loaded function (or None: unavailable), "parallel": built with OpenMP
+# "lib": the loaded library (None: unavailable), "parallel": built with OpenMP
+_state: dict[str, object] = {}
 _switch = {"on": True}
 
 
 def configure(enabled: bool) -> None:
-    """Use the kernel (True, the default) or SDPA everywhere (False), for this process."""
+    """Use the kernels (True, the default) or PyTorch's SDPA and oneDNN everywhere (False), for this process."""
     _switch["on"] = enabled
 
 
@@ -72,55 +79,64 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str, out: Path) -> bool:
-    """Compile SOURCE into `out`; True when built with OpenMP (tried first, then without)."""
+    """Compile SOURCES into `out`; True when built with OpenMP (tried first, then without)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     for extra in (("-fopenmp",), ()):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        done = subprocess.run([cc, *_FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cc, *_FLAGS, *extra, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
         if done.returncode == 0:
             (out.parent / "parallel").write_text("1" if extra else "0")  # before the library: readers see both
             os.replace(tmp, out)
             return bool(extra)
         os.unlink(tmp)
-        log.debug("native attention build with %s failed: %s", extra or "no OpenMP", done.stderr[-2000:])
-    raise RuntimeError(f"{cc} could not build {SOURCE.name}")
+        log.debug("native kernels build with %s failed: %s", extra or "no OpenMP", done.stderr[-2000:])
+    raise RuntimeError(f"{cc} could not build {', '.join(p.name for p in SOURCES)}")
 
 
 def _load() -> None:
-    """Build (once per machine and source) and load the kernel into _state; on any failure record None."""
-    _state["fn"], _state["parallel"] = None, False
+    """Build (once per machine and source) and load the kernels into _state; on any failure record None."""
+    _state["lib"], _state["parallel"] = None, False
     cc = _compiler()
     if cc is None:
-        log.warning("native decode attention unavailable: no C compiler (set CC); using SDPA")
+        log.warning("native kernels unavailable: no C compiler (set CC); using SDPA and oneDNN")
         return
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), cc, version, " ".join(_FLAGS), platform.machine(),
+    sources = "\0".join(p.read_text() for p in SOURCES)
+    key = hashlib.sha256("\0".join((sources, cc, version, " ".join(_FLAGS), platform.machine(),
                                     _cpu_flags())).encode()).hexdigest()[:20]
-    path = _cache_dir() / key / "decode_attention.so"
+    path = _cache_dir() / key / "kernels.so"
     try:
         parallel = (path.parent / "parallel").read_text() == "1" if path.exists() else _build(cc, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as exc:
-        log.warning("native decode attention unavailable (%s); using SDPA", exc)
+        log.warning("native kernels unavailable (%s); using SDPA and oneDNN", exc)
         return
-    fn = lib.bucketserve_decode_attention_bf16
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    _state["fn"], _state["parallel"] = fn, parallel
-    log.info("native decode attention loaded from %s (OpenMP: %s)", path, parallel)
+    lib.bucketserve_decode_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                                      ctypes.c_float, ctypes.c_int]
+    lib.bucketserve_decode_attention_bf16.restype = ctypes.c_int
+    lib.bucketserve_small_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.bucketserve_small_matmul_bf16.restype = ctypes.c_int
+    _state["lib"], _state["parallel"] = lib, parallel
+    log.info("native kernels loaded from %s (OpenMP: %s)", path, parallel)
 
 
 def available() -> bool:
-    """The kernel is switched on, built and loaded (building it on the first call)."""
+    """The kernels are switched on, built and loaded (building them on the first call)."""
     if not enabled():
         return False
-    if "fn" not in _state:
+    if "lib" not in _state:
         with _LOCK:
-            if "fn" not in _state:
+            if "lib" not in _state:
                 _load()
-    return _state["fn"] is not None
+    return _state["lib"] is not None
+
+
+def _threads() -> int | None:
+    """The compute threads to use, or None when the build is serial and PyTorch would use more threads."""
+    threads = torch.get_num_threads()
+    return None if threads > 1 and not _state["parallel"] else threads
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: np.ndarray,
@@ -133,8 +149,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             or key.shape[1] != heads or key.shape[3] != dim or value.stride() != key.stride()
             or key.stride(3) != 1 or key.stride(2) != dim or not available()):
         return None
-    threads = torch.get_num_threads()
-    if threads > 1 and not _state["parallel"]:
+    threads = _threads()
+    if threads is None:
         return None  # a serial kernel would lose to SDPA's threads
     if extents.min(initial=1) < 1 or extents.max(initial=1) > key.shape[2] or slots.max(initial=0) >= key.shape[0]:
         raise ValueError("decode attention: an extent or slot is out of range")
@@ -142,8 +158,30 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = torch.empty_like(q)
     slots = np.ascontiguousarray(slots, dtype=np.int64)
     extents = np.ascontiguousarray(extents, dtype=np.int64)
-    fn = _state["fn"]
-    assert callable(fn)
-    status = fn(q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), slots.ctypes.data,
-                extents.ctypes.data, rows, heads, groups, dim, key.stride(0), key.stride(1), scale, threads)
+    status = _lib().bucketserve_decode_attention_bf16(
+        q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), slots.ctypes.data, extents.ctypes.data,
+        rows, heads, groups, dim, key.stride(0), key.stride(1), scale, threads)
     return out if status == 0 else None
+
+
+def small_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """rows [M, K] @ weight[N, K].T -> [M, N] for bf16 with M <= SMALL_MATMUL_MAX_ROWS, or None when the kernel
+    does not take these inputs (no AVX512-BF16, K not a multiple of 32, N of 16, ...): the caller uses oneDNN."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    if (not 0 < m <= SMALL_MATMUL_MAX_ROWS or rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+            or weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous() or not available()):
+        return None
+    threads = _threads()
+    if threads is None:
+        return None
+    x = rows.contiguous()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    status = _lib().bucketserve_small_matmul_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, threads)
+    return out if status == 0 else None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _state["lib"]
+    assert isinstance(lib, ctypes.CDLL)
+    return lib

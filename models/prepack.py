@@ -9,8 +9,12 @@ the packed copy out of the graph: the graph calls the custom op `bucketserve::li
 CPU kernel looks the packed copy up by the weight's address. A weight with no packed copy (never prepacked, or
 a shape the op does not know) takes the plain `F.linear`: same result, just slower.
 
+Steps of 1-4 rows (decode at small batches: memory-bound) take bucketserve's own matmul on the plain weight
+instead (models/native.py: 1.16-1.4x oneDNN there), where it is built and the weight has no bias.
+
 Numerics: the same oneDNN bf16 kernel with fp32 accumulation as the plain path (outputs agree to the bf16
-rounding); float32 models are never prepacked (the reference path stays MKL's, token-identical to transformers).
+rounding; the small-row kernel sums in another order, also in fp32); float32 models are never prepacked (the
+reference path stays MKL's, token-identical to transformers).
 Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16).
 """
 
@@ -22,6 +26,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.native import SMALL_MATMUL_MAX_ROWS, small_matmul
 
 _PACKED: dict[int, tuple[torch.Size, torch.Tensor]] = {}  # weight's address -> (its shape, packed copy)
 _LOCK = threading.Lock()
@@ -39,7 +45,9 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if entry is None or entry[0] != weight.shape or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # oneDNN takes [rows, in]
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, entry[1], bias, "none", [], "")
+    out = small_matmul(rows, weight) if bias is None and rows.shape[0] <= SMALL_MATMUL_MAX_ROWS else None
+    if out is None:
+        out = torch.ops.mkldnn._linear_pointwise(rows, entry[1], bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -193,7 +193,7 @@ class ModelRunner:
         # freezing packs inside the graph instead, Neuron compiles its own matmuls, a TP shard is a DTensor.
         wants_prepack = compile_settings.weight_prepack and not compile_settings.inductor_freezing \
             and compile_settings.backend != "neuron" and tp_size == 1
-        native.configure(compile_settings.native_attention)
+        native.configure(compile_settings.native_kernels)
         self.prepacked = prepack(model) if wants_prepack and prepack_supported(self.dtype, self.device) else 0
         if self.prepacked:
             log.info("%d linear weights prepacked for oneDNN (a second copy of each)", self.prepacked)

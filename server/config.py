@@ -45,7 +45,7 @@ class ServerSettings:
     # CPU, continuous batching, one rank: prompt tokens ride in the decode steps (mixed steps, one pass over the
     # weights for both) instead of running between them; --no-mixed-steps alternates prefill and decode steps.
     mixed_steps: bool = True
-    native_attention: bool = True
+    native_kernels: bool = True
     buckets: tuple[int, ...] = ()  # prompt-length buckets; () -> powers of two from 64 to max_model_len
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     prefill_batch_sizes: tuple[int, ...] = (1,)
@@ -205,9 +205,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=d.mixed_steps,
                         help="CPU: carry prompt tokens in the decode steps (one pass over the weights for both; "
                              "default on)")
-    parser.add_argument("--native-attention", action=argparse.BooleanOptionalAction, default=d.native_attention,
-                        help="CPU bfloat16: decoding rows' attention in bucketserve's own kernel, built on first use "
-                             "with the C compiler (default on; off: PyTorch's SDPA)")
+    parser.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=d.native_kernels,
+                        help="CPU bfloat16: decode attention and linears of 1-4 rows in bucketserve's own kernels, "
+                             "built on first use with the C compiler (default on; off: PyTorch's SDPA and oneDNN)")
     parser.add_argument("--buckets", type=parse_sizes, default=d.buckets, help="prompt-length buckets, e.g. 64,128,256")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=d.batch_sizes, help="decode batch buckets")
     parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=d.prefill_batch_sizes)
@@ -246,7 +246,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts", "inductor_freezing", "weight_prepack",
-                "mixed_steps", "native_attention"}
+                "mixed_steps", "native_kernels"}
 _SIZE_FIELDS = {"buckets", "batch_sizes", "prefill_batch_sizes", "kv_buckets"}
 
 

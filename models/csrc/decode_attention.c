@@ -41,7 +41,7 @@ static inline uint16_t to_bf16(float f) {
 
 static inline v16f splat(float x) { return (v16f){0} + x; }
 
-static inline v16f select(v16i mask, v16f yes, v16f no) { return (v16f)(((v16i)yes & mask) | ((v16i)no & ~mask)); }
+static inline v16f vselect(v16i mask, v16f yes, v16f no) { return (v16f)(((v16i)yes & mask) | ((v16i)no & ~mask)); }
 
 static inline float hsum(v16f v) {
     v += __builtin_shuffle(v, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -59,7 +59,7 @@ static inline float hmax(v16f v) {
 
 /* exp(x) for x <= 0 (scores minus their running max), relative error ~1e-7; below -87 it is ~1e-38. */
 static inline v16f vexp(v16f x) {
-    x = select(x < splat(-87.0f), splat(-87.0f), x);
+    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
     v16f t = x * 1.44269504088896341f;
     v16i n = __builtin_convertvector(t - 0.5f, v16i); /* round(t) for t <= 0 */
     v16f nf = __builtin_convertvector(n, v16f);
@@ -110,6 +110,12 @@ static inline __attribute__((always_inline)) void one_head(const uint16_t *qb, c
         m[g] = -3.0e38f;
         l[g] = 0.0f;
     }
+    for (int64_t p = 0; p < AHEAD && p < n; p++) { /* the head's first rows: nothing prefetched them yet */
+        __builtin_prefetch(kb + p * D);
+        __builtin_prefetch(kb + p * D + 32);
+        __builtin_prefetch(vb + p * D);
+        __builtin_prefetch(vb + p * D + 32);
+    }
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
         const int64_t len = n - p0 < 16 ? n - p0 : 16;
         for (int64_t j = 0; j < 16; j++) {
@@ -130,11 +136,11 @@ static inline __attribute__((always_inline)) void one_head(const uint16_t *qb, c
         }
         v16i live = (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < (int32_t)len;
         for (int64_t g = 0; g < G; g++) {
-            v16f s = select(live, reduce16(part[g]), splat(-3.0e38f));
+            v16f s = vselect(live, reduce16(part[g]), splat(-3.0e38f));
             float top = hmax(s);
             float next = top > m[g] ? top : m[g];
             float alpha = vexp(splat(m[g] - next))[0];
-            v16f e = select(live, vexp(s - next), splat(0.0f));
+            v16f e = vselect(live, vexp(s - next), splat(0.0f));
             l[g] = l[g] * alpha + hsum(e);
             m[g] = next;
             memcpy(w[g], &e, sizeof e);

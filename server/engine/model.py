@@ -103,7 +103,7 @@ class EngineModel:
         torch.set_num_threads(self.num_threads)
         prewarm = prewarm_inductor(self.compile_cache_dir()) if s.compile_backend == "inductor" else None
         compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
-                                           s.inductor_freezing, s.weight_prepack, s.native_attention)
+                                           s.inductor_freezing, s.weight_prepack, s.native_kernels)
         self.runner = self.build_runner(compile_settings, prewarm)
         log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, mixed tokens "
                  "%s, context %d: %d graphs", list(self.table.lengths), list(self.table.batch_sizes),
@@ -150,7 +150,7 @@ class EngineModel:
         s = self.settings
         if compile_settings is None:
             compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
-                                               s.inductor_freezing, s.weight_prepack, s.native_attention)
+                                               s.inductor_freezing, s.weight_prepack, s.native_kernels)
         torch.set_num_threads(self.num_threads)
         t0 = time.monotonic()
         model = self.mesh.load(self.path, self.dtype) if self.mesh else load_model(self.path, self.dtype, s.device)

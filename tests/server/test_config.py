@@ -31,9 +31,9 @@ def test_mixed_steps_are_on_by_default_on_the_cpu_only() -> None:
     assert parse([]).bucket_table(2048, mixed_ok=False).mixed_tokens == ()  # sliding-window models
 
 
-def test_native_attention_is_on_by_default_and_can_be_turned_off() -> None:
-    assert parse([]).native_attention is True and parse(["--no-native-attention"]).native_attention is False
-    assert parse([], {"BUCKETSERVE_NATIVE_ATTENTION": "0"}).native_attention is False
+def test_native_kernels_are_on_by_default_and_can_be_turned_off() -> None:
+    assert parse([]).native_kernels is True and parse(["--no-native-kernels"]).native_kernels is False
+    assert parse([], {"BUCKETSERVE_NATIVE_KERNELS": "0"}).native_kernels is False
 
 
 def test_weight_prepack_is_on_by_default_and_can_be_turned_off() -> None:

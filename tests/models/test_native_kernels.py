@@ -1,6 +1,7 @@
-"""The native decode-attention kernel (models/native.py): it builds here, equals attention in float32 to bf16
-rounding over each row's own slot and extent, never reads past an extent, and the attention ops use it for
-bf16 decoding rows (falling back to SDPA where it does not apply or is switched off)."""
+"""bucketserve's own kernels (models/native.py): they build here; decode attention equals attention in float32
+to bf16 rounding over each row's own slot and extent and never reads past an extent; the small matmul equals a
+float32 matmul to bf16 rounding; the attention ops and the prepacked linear use them for bf16 decoding rows and
+steps of 1-4 rows (falling back to SDPA and oneDNN where they do not apply or are switched off)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from models import native
 from models.attention import mixed_plan, packed_sdpa
+from models.prepack import prepack
 from tests.models.test_attention import FakeAttention
 
 
@@ -34,7 +36,7 @@ def _poisoned_cache(slots: int, heads: int, context: int, dim: int, extents: dic
     return k, v
 
 
-def test_the_kernel_builds_and_loads_here() -> None:
+def test_the_kernels_build_and_load_here() -> None:
     """CI machines have the C compiler inductor needs; a silent fallback would only show as a slow bench."""
     assert native.available()
 
@@ -121,3 +123,46 @@ def test_mixed_step_decoding_rows_use_the_kernel(monkeypatch: pytest.MonkeyPatch
     sdpa = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
     torch.testing.assert_close(ours.float(), sdpa.float(), rtol=1e-2, atol=1e-2)
     assert torch.equal(ours[:, :, 2:], sdpa[:, :, 2:])  # the prompt piece and padding never take the kernel
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_small_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_features: int) -> None:
+    torch.manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features).bfloat16()
+    w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
+    got = native.small_matmul(x, w)
+    if got is None:  # a CPU without AVX512-BF16: the kernel declines, oneDNN runs
+        pytest.skip("no AVX512-BF16 on this CPU")
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
+
+
+def test_small_matmul_declines_what_it_does_not_take() -> None:
+    w = torch.randn(48, 64).bfloat16()
+    assert native.small_matmul(torch.randn(5, 64).bfloat16(), w) is None  # 5 rows: oneDNN's
+    assert native.small_matmul(torch.randn(1, 64), w.float()) is None  # float32: the reference path
+    assert native.small_matmul(torch.randn(1, 40).bfloat16(), torch.randn(48, 40).bfloat16()) is None  # K % 32
+    assert native.small_matmul(torch.randn(1, 64).bfloat16(), torch.randn(40, 64).bfloat16()) is None  # N % 16
+
+
+def test_prepacked_linears_of_a_few_rows_take_the_small_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(64, 96, bias=False).bfloat16().requires_grad_(False)
+    inputs = {rows: torch.randn(rows, 1, 64).bfloat16() for rows in (1, 4, 5)}
+    plain = {rows: torch.nn.functional.linear(x, layer.weight) for rows, x in inputs.items()}
+    prepack(layer)
+    taken: list[int] = []
+    real = native.small_matmul
+
+    def counted(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        out = real(rows, weight)
+        taken.append(rows.shape[0] if out is not None else 0)
+        return out
+
+    monkeypatch.setattr("models.prepack.small_matmul", counted)
+    for rows, x in inputs.items():
+        torch.testing.assert_close(layer(x), plain[rows], rtol=1e-2, atol=1e-2)
+    if native.small_matmul(inputs[1][0], layer.weight) is None:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    assert taken == [1, 4]  # 5 rows never ask: oneDNN

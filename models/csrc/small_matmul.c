@@ -1,0 +1,115 @@
+/* y = x @ w.T for a few rows of bfloat16 (decode steps of 1-4 rows), on the plain [N, K] weight (models/native.py
+ * builds and loads this; models/prepack.py calls it for bf16 linears of up to MAX_ROWS rows).
+ *
+ * Why: a decode step's linears read every weight once for a handful of rows, so they are bound by memory
+ * bandwidth. oneDNN's prepacked bf16 matmul reads at ~8.5 GB/s for 1-16 rows here; one core can stream ~12.5
+ * GB/s. This streams each weight row once, contiguously (with a software prefetch a few rows ahead), and takes
+ * dot products of bf16 pairs with AVX512-BF16 (exact products, fp32 sums): 10.7-11.4 GB/s at one row, 1.46x
+ * oneDNN; 1.3x at 2 rows, 1.16x at 4, even at 8 and slower than oneDNN's AMX path from 16 rows on (measured in
+ * docs/performance.md). Without AVX512-BF16 it declines (returns -1) and oneDNN runs.
+ *
+ * Shapes (elements, bf16 as uint16): x [M, K] contiguous, w [N, K] contiguous, y [M, N]; K % 32 == 0, N % 16 == 0,
+ * 1 <= M <= MAX_ROWS. Sums in fp32, rounded to bf16 (nearest even) once at the end.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_ROWS 4 /* from 8 rows on oneDNN is as fast (1.01x measured), from 16 faster */
+#define PREFETCH_ROWS 4 /* weight rows ahead of the two being read */
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* a[0..15] -> one vector whose lane i is the sum of a[i]'s lanes (the same tree as decode_attention.c). */
+static inline v16f sum16(const v16f *a) {
+    v16f b[8], c[4], d[2];
+    for (int j = 0; j < 8; j++)
+        b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], (v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23})
+             + __builtin_shuffle(a[2 * j], a[2 * j + 1], (v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int j = 0; j < 4; j++)
+        c[j] = __builtin_shuffle(b[2 * j], b[2 * j + 1], (v16i){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27})
+             + __builtin_shuffle(b[2 * j], b[2 * j + 1], (v16i){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    for (int j = 0; j < 2; j++)
+        d[j] = __builtin_shuffle(c[2 * j], c[2 * j + 1], (v16i){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29})
+             + __builtin_shuffle(c[2 * j], c[2 * j + 1], (v16i){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+    return __builtin_shuffle(d[0], d[1], (v16i){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30})
+         + __builtin_shuffle(d[0], d[1], (v16i){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
+/* Output rows [n0, n1) (a multiple of 16 apart): 16 weight rows a block, two at a time (two independent sums per
+ * input row hide the dot products' latency). Inlined with constant M (and K where the caller knows it). */
+static inline __attribute__((always_inline)) void rows_block(const uint16_t *x, const uint16_t *w, uint16_t *y,
+                                                            const int64_t M, int64_t N, const int64_t K, int64_t n0,
+                                                            int64_t n1) {
+    const int64_t chunks = K / 32;
+    for (; n0 < n1; n0 += 16) {
+        v16f part[MAX_ROWS][16];
+        for (int j = 0; j < 16; j += 2) {
+            const uint16_t *wr = w + (n0 + j) * K;
+            __m512 acc[MAX_ROWS][2];
+            for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks; c++) {
+                __builtin_prefetch(wr + PREFETCH_ROWS * K + c * 32);
+                __builtin_prefetch(wr + (PREFETCH_ROWS + 1) * K + c * 32);
+                __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + c * 32);
+                __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + K + c * 32);
+                for (int64_t m = 0; m < M; m++) {
+                    __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + c * 32);
+                    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
+                    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
+                }
+            }
+            for (int64_t m = 0; m < M; m++) {
+                part[m][j] = (v16f)acc[m][0];
+                part[m][j + 1] = (v16f)acc[m][1];
+            }
+        }
+        for (int64_t m = 0; m < M; m++) {
+            v16f s = sum16(part[m]);
+            for (int i = 0; i < 16; i++) y[m * N + n0 + i] = round_bf16(s[i]);
+        }
+    }
+}
+
+static void rows_any(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                     int64_t n0, int64_t n1) {
+    switch (M) { /* a constant row count per case: the accumulators stay in registers */
+    case 1:
+        if (K == 576) rows_block(x, w, y, 1, N, 576, n0, n1); /* SmolLM2's hidden and MLP sizes */
+        else if (K == 1536) rows_block(x, w, y, 1, N, 1536, n0, n1);
+        else rows_block(x, w, y, 1, N, K, n0, n1);
+        break;
+    case 2: rows_block(x, w, y, 2, N, K, n0, n1); break;
+    case 3: rows_block(x, w, y, 3, N, K, n0, n1); break;
+    default: rows_block(x, w, y, 4, N, K, n0, n1); break;
+    }
+}
+#endif
+
+/* Returns 0, or -1 when this machine or these shapes are not served (the caller uses oneDNN). */
+int bucketserve_small_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
+                                  int64_t k, int threads) {
+#ifdef __AVX512BF16__
+    if (rows < 1 || rows > MAX_ROWS || k % 32 || k < 32 || n % 16 || n < 16) return -1;
+    const int64_t blocks = n / 16;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int t = 0; t < threads; t++) {
+        const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
+        rows_any(x, w, y, rows, n, k, b0 * 16, b1 * 16);
+    }
+    return 0;
+#else
+    (void)x; (void)w; (void)y; (void)rows; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
