@@ -16,7 +16,8 @@ shapes the kernels do not take, and machines where the build fails (logged once)
 
 The build: `$CC` (default gcc, else cc) with -O3 -march=native (built and run on the same machine; the CPU's
 flags are part of the cache key, so a cache shared by different machines never serves a wrong build) and
-OpenMP when the compiler has it. Output below the compile cache (TORCHINDUCTOR_CACHE_DIR, as the graphs):
+OpenMP when the compiler has it (the library then needs libgomp.so.1, which resolves to the copy PyTorch's CPU
+wheel has already loaded: one thread pool). Output below the compile cache (TORCHINDUCTOR_CACHE_DIR, as the graphs):
 `<cache>/bucketserve-native/<key>/kernels.so`, written to a temporary name and renamed (processes building at
 once do not see a partial file). `--no-native-kernels` turns them off: the runner sets the process-wide switch
 (`configure`), as inductor's settings are process-wide too.
@@ -42,9 +43,11 @@ log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("csrc") / "decode_attention.c", Path(__file__).with_name("csrc") / "small_matmul.c")
 SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
+MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # decode_attention.c's MAX_G and 16 * MAX_C
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 300
 _LOCK = threading.Lock()
-# "lib": the loaded library (None: unavailable), "parallel": built with OpenMP
+# "lib": the loaded library (None: unavailable), "parallel": built with OpenMP, "matmul": has the small matmul
 _state: dict[str, object] = {}
 _switch = {"on": True}
 
@@ -78,38 +81,43 @@ def _cache_dir() -> Path:
     return Path(cache_dir()) / "bucketserve-native"
 
 
-def _build(cc: str, out: Path) -> bool:
-    """Compile SOURCES into `out`; True when built with OpenMP (tried first, then without)."""
+def _build(cc: str, out: Path) -> None:
+    """Compile SOURCES into `out` (with OpenMP when the compiler has it, else without)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     for extra in (("-fopenmp",), ()):
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out.parent)
         os.close(fd)
-        done = subprocess.run([cc, *_FLAGS, *extra, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
-        if done.returncode == 0:
-            (out.parent / "parallel").write_text("1" if extra else "0")  # before the library: readers see both
-            os.replace(tmp, out)
-            return bool(extra)
-        os.unlink(tmp)
-        log.debug("native kernels build with %s failed: %s", extra or "no OpenMP", done.stderr[-2000:])
+        try:
+            done = subprocess.run([cc, *_FLAGS, *extra, *map(str, SOURCES), "-o", tmp], capture_output=True,
+                                  text=True, timeout=BUILD_TIMEOUT_S)
+            if done.returncode == 0:
+                os.chmod(tmp, 0o755)  # mkstemp makes it 0600: another user sharing the cache could not load it
+                os.replace(tmp, out)  # atomic: a process loading at the same time sees the whole file or none
+                return
+            log.debug("native kernels build with %s failed: %s", extra or "no OpenMP", done.stderr[-2000:])
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     raise RuntimeError(f"{cc} could not build {', '.join(p.name for p in SOURCES)}")
 
 
 def _load() -> None:
-    """Build (once per machine and source) and load the kernels into _state; on any failure record None."""
-    _state["lib"], _state["parallel"] = None, False
-    cc = _compiler()
-    if cc is None:
-        log.warning("native kernels unavailable: no C compiler (set CC); using SDPA and oneDNN")
-        return
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    sources = "\0".join(p.read_text() for p in SOURCES)
-    key = hashlib.sha256("\0".join((sources, cc, version, " ".join(_FLAGS), platform.machine(),
-                                    _cpu_flags())).encode()).hexdigest()[:20]
-    path = _cache_dir() / key / "kernels.so"
+    """Build (once per machine and source) and load the kernels into _state; on any failure (no compiler, a
+    read-only cache, a failed build) record None, log it once, and let the callers use SDPA and oneDNN."""
+    _state.update(lib=None, parallel=False, matmul=False)
     try:
-        parallel = (path.parent / "parallel").read_text() == "1" if path.exists() else _build(cc, path)
+        cc = _compiler()
+        if cc is None:
+            raise RuntimeError("no C compiler (set CC)")
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        sources = "\0".join(p.read_text() for p in SOURCES)
+        key = hashlib.sha256("\0".join((sources, cc, version, " ".join(_FLAGS), platform.machine(),
+                                        _cpu_flags())).encode()).hexdigest()[:20]
+        path = _cache_dir() / key / "kernels.so"
+        if not path.exists():
+            _build(cc, path)
         lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001  any failure here means: run without the kernels
         log.warning("native kernels unavailable (%s); using SDPA and oneDNN", exc)
         return
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -118,8 +126,10 @@ def _load() -> None:
     lib.bucketserve_decode_attention_bf16.restype = ctypes.c_int
     lib.bucketserve_small_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.bucketserve_small_matmul_bf16.restype = ctypes.c_int
-    _state["lib"], _state["parallel"] = lib, parallel
-    log.info("native kernels loaded from %s (OpenMP: %s)", path, parallel)
+    _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
+                  matmul=bool(lib.bucketserve_small_matmul_supported()))
+    log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s)", path, _state["parallel"],
+             _state["matmul"])
 
 
 def available() -> bool:
@@ -146,14 +156,16 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     Returns [R, H_kv, G, D], or None when the kernel does not take these inputs (the caller uses SDPA)."""
     rows, heads, groups, dim = query.shape
     if (query.dtype != torch.bfloat16 or key.dtype != query.dtype or value.dtype != query.dtype
-            or key.shape[1] != heads or key.shape[3] != dim or value.stride() != key.stride()
-            or key.stride(3) != 1 or key.stride(2) != dim or not available()):
+            or key.shape[1] != heads or key.shape[3] != dim or value.shape != key.shape
+            or value.stride() != key.stride() or key.stride(3) != 1 or key.stride(2) != dim
+            or not 1 <= groups <= MAX_GROUPS or dim % 16 or not 16 <= dim <= MAX_HEAD_DIM):
         return None
-    threads = _threads()
+    if (len(slots) != rows or len(extents) != rows or (rows and (slots.min() < 0 or slots.max() >= key.shape[0]
+            or extents.min() < 1 or extents.max() > key.shape[2]))):
+        raise ValueError("decode attention: a row's slot or extent is out of range")
+    threads = _threads() if available() else None
     if threads is None:
-        return None  # a serial kernel would lose to SDPA's threads
-    if extents.min(initial=1) < 1 or extents.max(initial=1) > key.shape[2] or slots.max(initial=0) >= key.shape[0]:
-        raise ValueError("decode attention: an extent or slot is out of range")
+        return None  # unavailable, or a serial kernel that would lose to SDPA's threads
     q = query.contiguous()
     out = torch.empty_like(q)
     slots = np.ascontiguousarray(slots, dtype=np.int64)
@@ -164,13 +176,15 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out if status == 0 else None
 
 
-def small_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """rows [M, K] @ weight[N, K].T -> [M, N] for bf16 with M <= SMALL_MATMUL_MAX_ROWS, or None when the kernel
-    does not take these inputs (no AVX512-BF16, K not a multiple of 32, N of 16, ...): the caller uses oneDNN."""
+def small_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """rows [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] for bf16 with M <= SMALL_MATMUL_MAX_ROWS, or None when
+    the kernel does not take these inputs (no AVX512-BF16, K not a multiple of 32, N of 16, ...): the caller
+    uses oneDNN."""
     m, k = rows.shape
     n = weight.shape[0]
     if (not 0 < m <= SMALL_MATMUL_MAX_ROWS or rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous() or not available()):
+            or weight.dim() != 2 or weight.shape[1] != k or k % 32 or n % 16 or not weight.is_contiguous()
+            or not available() or not _state["matmul"]):
         return None
     threads = _threads()
     if threads is None:
@@ -178,7 +192,9 @@ def small_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     x = rows.contiguous()
     out = torch.empty(m, n, dtype=torch.bfloat16)
     status = _lib().bucketserve_small_matmul_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, threads)
-    return out if status == 0 else None
+    if status != 0:
+        return None
+    return out if bias is None else out.add_(bias)
 
 
 def _lib() -> ctypes.CDLL:

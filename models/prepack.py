@@ -10,7 +10,7 @@ CPU kernel looks the packed copy up by the weight's address. A weight with no pa
 a shape the op does not know) takes the plain `F.linear`: same result, just slower.
 
 Steps of 1-4 rows (decode at small batches: memory-bound) take bucketserve's own matmul on the plain weight
-instead (models/native.py: 1.16-1.4x oneDNN there), where it is built and the weight has no bias.
+instead (models/native.py: 1.16-1.4x oneDNN there), where it is built.
 
 Numerics: the same oneDNN bf16 kernel with fp32 accumulation as the plain path (outputs agree to the bf16
 rounding; the small-row kernel sums in another order, also in fp32); float32 models are never prepacked (the
@@ -45,7 +45,7 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if entry is None or entry[0] != weight.shape or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # oneDNN takes [rows, in]
-    out = small_matmul(rows, weight) if bias is None and rows.shape[0] <= SMALL_MATMUL_MAX_ROWS else None
+    out = small_matmul(rows, weight, bias) if rows.shape[0] <= SMALL_MATMUL_MAX_ROWS else None
     if out is None:
         out = torch.ops.mkldnn._linear_pointwise(rows, entry[1], bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])

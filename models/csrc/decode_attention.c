@@ -163,6 +163,15 @@ static inline __attribute__((always_inline)) void one_head(const uint16_t *qb, c
     }
 }
 
+/* 1 when built with OpenMP (the kernels then split their work over the threads they are given). */
+int bucketserve_native_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or -1 for shapes this kernel does not take (the caller then uses SDPA). */
 int bucketserve_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                                       const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,

@@ -96,6 +96,15 @@ static void rows_any(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t 
 }
 #endif
 
+/* 1 when this build has the kernel (AVX512-BF16), else 0: the caller then never asks. */
+int bucketserve_small_matmul_supported(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or -1 when this machine or these shapes are not served (the caller uses oneDNN). */
 int bucketserve_small_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
                                   int64_t k, int threads) {

@@ -5,6 +5,8 @@ steps of 1-4 rows (falling back to SDPA and oneDNN where they do not apply or ar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -41,8 +43,17 @@ def test_the_kernels_build_and_load_here() -> None:
     assert native.available()
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The kernels split their work over torch's thread count (OpenMP): both ways give the same result."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(("groups", "dim"), [(3, 64), (4, 64), (4, 128), (2, 16), (5, 32), (1, 64)])
-def test_kernel_equals_float32_attention_over_each_rows_slot(groups: int, dim: int) -> None:
+def test_kernel_equals_float32_attention_over_each_rows_slot(groups: int, dim: int, threads: int) -> None:
     torch.manual_seed(groups * 1000 + dim)
     heads, context = 2, 80
     # Rows read slots out of order; extents cover 1, a block edge (16), one past it, and the whole slot.
@@ -127,7 +138,7 @@ def test_mixed_step_decoding_rows_use_the_kernel(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_small_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_features: int) -> None:
+def test_small_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_features: int, threads: int) -> None:
     torch.manual_seed(rows * out_features)
     x = torch.randn(rows, in_features).bfloat16()
     w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
@@ -136,6 +147,10 @@ def test_small_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_f
         pytest.skip("no AVX512-BF16 on this CPU")
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
+    bias = torch.randn(out_features).bfloat16()
+    with_bias = native.small_matmul(x, w, bias)
+    assert with_bias is not None
+    torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
 
 
 def test_small_matmul_declines_what_it_does_not_take() -> None:
@@ -155,8 +170,8 @@ def test_prepacked_linears_of_a_few_rows_take_the_small_matmul(monkeypatch: pyte
     taken: list[int] = []
     real = native.small_matmul
 
-    def counted(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        out = real(rows, weight)
+    def counted(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        out = real(rows, weight, bias)
         taken.append(rows.shape[0] if out is not None else 0)
         return out
 
@@ -166,3 +181,40 @@ def test_prepacked_linears_of_a_few_rows_take_the_small_matmul(monkeypatch: pyte
     if native.small_matmul(inputs[1][0], layer.weight) is None:
         pytest.skip("no AVX512-BF16 on this CPU")
     assert taken == [1, 4]  # 5 rows never ask: oneDNN
+
+
+def test_decode_reads_a_kv_bucket_of_the_slot_buffers(kernel_calls: list[bool]) -> None:
+    """A decode step of KV bucket 32 over slot buffers of 64 positions: the kernel gets the bucket's view
+    (same strides as the buffers, fewer positions) and must walk the buffers' real strides."""
+    torch.manual_seed(4)
+    kv, groups, dim, context, bucket = 2, 3, 64, 64, 32
+    extents = [5, 32, 17]
+    q = torch.randn(3, kv * groups, 1, dim).to(torch.bfloat16)
+    k, v = _poisoned_cache(3, kv, context, dim, dict(enumerate(extents)))
+    ours, _ = packed_sdpa(FakeAttention(), q, k, v, _decode_mask(extents, bucket), scaling=dim ** -0.5)
+    assert kernel_calls == [True]
+    packed = q.reshape(3, kv, groups, dim)
+    want = _reference(packed, torch.nan_to_num(k), torch.nan_to_num(v), [0, 1, 2], extents, dim ** -0.5)
+    torch.testing.assert_close(ours.float(), want.reshape(3, 1, kv * groups, dim), rtol=1e-2, atol=1e-2)
+
+
+def test_sliding_window_rows_keep_sdpa(kernel_calls: list[bool]) -> None:
+    """A row whose window cuts its start (positions [ext - w, ext)) is not a prefix: the kernel (which reads
+    from position 0) must not run; SDPA applies the mask."""
+    torch.manual_seed(5)
+    kv, groups, dim, context, window = 2, 3, 64, 48, 8
+    extents = [30, 6]
+    q = torch.randn(2, kv * groups, 1, dim).to(torch.bfloat16)
+    k = torch.randn(2, kv, context, dim).to(torch.bfloat16)
+    v = torch.randn(2, kv, context, dim).to(torch.bfloat16)
+    pos = torch.arange(context)[None]
+    ext = torch.tensor(extents)[:, None]
+    seen = (pos < ext) & (pos >= ext - window)
+    mask = torch.where(seen, 0.0, float("-inf")).to(torch.bfloat16).view(2, 1, 1, context)
+    ours, _ = packed_sdpa(FakeAttention(), q, k, v, mask, scaling=dim ** -0.5)
+    assert kernel_calls == []
+    packed = q.reshape(2, kv, groups, dim).float()
+    want = torch.cat([F.scaled_dot_product_attention(packed[r : r + 1], k[r : r + 1, :, e - min(e, window) : e].float(),
+                                                     v[r : r + 1, :, e - min(e, window) : e].float(), scale=dim ** -0.5)
+                      for r, e in enumerate(extents)])
+    torch.testing.assert_close(ours.float(), want.reshape(2, 1, kv * groups, dim), rtol=1e-2, atol=1e-2)
