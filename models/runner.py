@@ -194,6 +194,8 @@ class ModelRunner:
         wants_prepack = compile_settings.weight_prepack and not compile_settings.inductor_freezing \
             and compile_settings.backend != "neuron" and tp_size == 1
         native.configure(compile_settings.native_kernels)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            native.available()  # build (once per machine) or load the kernels now, not in the first request's step
         self.prepacked = prepack(model) if wants_prepack and prepack_supported(self.dtype, self.device) else 0
         if self.prepacked:
             log.info("%d linear weights prepacked for oneDNN (a second copy of each)", self.prepacked)
