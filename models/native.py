@@ -41,7 +41,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("csrc") / "decode_attention.c", Path(__file__).with_name("csrc") / "small_matmul.c")
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c")
+HEADERS = (_CSRC / "vec16.h",)
 SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # decode_attention.c's MAX_G and 16 * MAX_C
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
@@ -110,7 +112,7 @@ def _load() -> None:
         if cc is None:
             raise RuntimeError("no C compiler (set CC)")
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        sources = "\0".join(p.read_text() for p in SOURCES)
+        sources = "\0".join(p.read_text() for p in (*SOURCES, *HEADERS))
         key = hashlib.sha256("\0".join((sources, cc, version, " ".join(_FLAGS), platform.machine(),
                                         _cpu_flags())).encode()).hexdigest()[:20]
         path = _cache_dir() / key / "kernels.so"
