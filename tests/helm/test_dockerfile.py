@@ -157,9 +157,12 @@ def test_the_build_context_builds_the_package(tmp_path: Path) -> None:
     (wheel,) = (tmp_path / "dist").glob("bucketserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    data = pyproject["tool"]["setuptools"].get("package-data", {})
     for package in pyproject["tool"]["setuptools"]["packages"]:
         folder = package.replace(".", "/") + "/"
-        sources = {p for p in copied if p.startswith(folder) and p.count("/") == folder.count("/") and p.endswith(".py")}
+        # its modules and its declared data files (e.g. the native kernels' C sources in models.csrc)
+        sources = {p for p in copied if p.startswith(folder) and p.count("/") == folder.count("/")
+                   and (p.endswith(".py") or any(fnmatch.fnmatch(p[len(folder):], pattern) for pattern in data.get(package, [])))}
         assert sources and sources <= set(names), f"{package}: {sorted(sources - set(names))} missing"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "bucketserve = server.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
