@@ -1,7 +1,7 @@
-"""bucketserve's own CPU kernels (models/csrc/): decode attention and small-batch bf16 matmuls. Built once per
-machine with the C compiler the CPU path already needs (inductor compiles its kernels with it), loaded through
-ctypes, and used by the attention ops (decoding rows) and the prepacked linear op (steps of 1-4 rows) of
-bfloat16 models.
+"""bucketserve's own CPU kernels (models/csrc/): decode attention and bf16 matmuls for decode-sized steps. Built
+once per machine with the C compiler the CPU path already needs (inductor compiles its kernels with it), loaded
+through ctypes, and used by the attention ops (decoding rows) and the prepacked linear op (steps of 1-128 rows)
+of bfloat16 models.
 
 Why kernels of our own (measured in docs/performance.md, one thread):
 - Decode attention. A decode row has one query token, so per KV head a handful of queries (three for SmolLM2)
@@ -11,6 +11,9 @@ Why kernels of our own (measured in docs/performance.md, one thread):
 - Small matmuls. A decode step's linears read every weight once for a few rows: memory-bound. oneDNN's bf16
   matmul reads ~8.5 GB/s here; the kernel streams each weight row once with AVX512-BF16 dot products at 10.5-11.4
   GB/s (1.4x at one row, 1.16x at four; oneDNN from eight rows on).
+- AMX matmuls. Where the CPU has AMX, 2-128 rows run tile products over a third copy of each weight in the
+  tiles' layout (`amx_pack`): the arithmetic of 1-16 rows is one tile product, so the loop streams the weight
+  (1.3-1.4x oneDNN at 2-32 rows, 1.1-1.2x at 48-128; oneDNN from 256 rows on).
 float32 models keep SDPA and MKL (the reference path, token-identical to transformers); so do other dtypes,
 shapes the kernels do not take, and machines where the build fails (logged once).
 
@@ -42,14 +45,18 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c")
+SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c")
 HEADERS = (_CSRC / "vec16.h",)
 SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
+# Rows the AMX kernel takes (amx_matmul.c): 1.1x oneDNN at 128 rows, 0.96x at 256. One row stays with the small
+# matmul (5-7% faster there: it needs no tile set-up and reads the plain weight).
+AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 128
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # decode_attention.c's MAX_G and 16 * MAX_C
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 _LOCK = threading.Lock()
-# "lib": the loaded library (None: unavailable), "parallel": built with OpenMP, "matmul": has the small matmul
+# "lib": the loaded library (None: unavailable), "parallel": built with OpenMP, "matmul": has the small matmul,
+# "amx": has the AMX matmul and Linux lets this process use the tiles
 _state: dict[str, object] = {}
 _switch = {"on": True}
 
@@ -106,7 +113,7 @@ def _build(cc: str, out: Path) -> None:
 def _load() -> None:
     """Build (once per machine and source) and load the kernels into _state; on any failure (no compiler, a
     read-only cache, a failed build) record None, log it once, and let the callers use SDPA and oneDNN."""
-    _state.update(lib=None, parallel=False, matmul=False)
+    _state.update(lib=None, parallel=False, matmul=False, amx=False)
     try:
         cc = _compiler()
         if cc is None:
@@ -128,10 +135,12 @@ def _load() -> None:
     lib.bucketserve_decode_attention_bf16.restype = ctypes.c_int
     lib.bucketserve_small_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.bucketserve_small_matmul_bf16.restype = ctypes.c_int
+    lib.bucketserve_amx_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.bucketserve_amx_matmul_bf16.restype = ctypes.c_int
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
-                  matmul=bool(lib.bucketserve_small_matmul_supported()))
-    log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s)", path, _state["parallel"],
-             _state["matmul"])
+                  matmul=bool(lib.bucketserve_small_matmul_supported()), amx=bool(lib.bucketserve_amx_supported()))
+    log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
+             _state["matmul"], _state["amx"])
 
 
 def available() -> bool:
@@ -195,6 +204,39 @@ def small_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     out = torch.empty(m, n, dtype=torch.bfloat16)
     status = _lib().bucketserve_small_matmul_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, threads)
     if status != 0:
+        return None
+    return out if bias is None else out.add_(bias)
+
+
+def amx_available() -> bool:
+    """The kernels are available and this CPU and process can run the AMX matmul."""
+    return available() and bool(_state["amx"])
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] bf16 -> its copy in the AMX kernel's layout [N/32, K/32, 2, 16, 16, 2] (amx_matmul.c: tile j
+    of column group g and k block b holds w[32g + 16j + n, 32b + 2r + i] at [g, b, j, r, n, i]), or None when the
+    kernel cannot take it (no AMX, or N, K not multiples of 32)."""
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    if weight.dtype != torch.bfloat16 or n % 32 or k % 32 or not n or not k or not amx_available():
+        return None
+    return weight.detach().view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def amx_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """rows [M, K] @ w.T (+ bias [N]) -> [M, N] in bf16 for AMX_MIN_ROWS <= M <= AMX_MAX_ROWS, from w's copy made
+    by amx_pack; None when the kernel does not take these inputs (the caller uses oneDNN)."""
+    m, k = rows.shape
+    if (not AMX_MIN_ROWS <= m <= AMX_MAX_ROWS or rows.dtype != torch.bfloat16 or packed.dim() != 6
+            or packed.shape[1] * 32 != k or not amx_available()):
+        return None
+    threads = _threads()
+    if threads is None:
+        return None
+    n = packed.shape[0] * 32
+    x = rows.contiguous()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    if _lib().bucketserve_amx_matmul_bf16(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, n, k, threads) != 0:
         return None
     return out if bias is None else out.add_(bias)
 

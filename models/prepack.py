@@ -9,13 +9,16 @@ the packed copy out of the graph: the graph calls the custom op `bucketserve::li
 CPU kernel looks the packed copy up by the weight's address. A weight with no packed copy (never prepacked, or
 a shape the op does not know) takes the plain `F.linear`: same result, just slower.
 
-Steps of 1-4 rows (decode at small batches: memory-bound) take bucketserve's own matmul on the plain weight
-instead (models/native.py: 1.16-1.4x oneDNN there), where it is built.
+Steps of one row take bucketserve's own matmul on the plain weight instead, and steps of 2-128 rows its AMX
+matmul on a third copy in the tiles' layout, made here when the CPU has AMX (models/native.py: 1.1-1.4x oneDNN
+there: decode steps are memory-bound and oneDNN streams their weights at ~7 GB/s of one core's ~12); 1-4 rows
+take the small matmul where there is no AMX. Larger steps (prompts) stay with oneDNN.
 
 Numerics: the same oneDNN bf16 kernel with fp32 accumulation as the plain path (outputs agree to the bf16
 rounding; the small-row kernel sums in another order, also in fp32); float32 models are never prepacked (the
 reference path stays MKL's, token-identical to transformers).
-Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16).
+Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16), the AMX copy a
+third (and the lm_head's: 57 MB more for SmolLM2's tied embeddings).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.native import SMALL_MATMUL_MAX_ROWS, small_matmul
+from models.native import SMALL_MATMUL_MAX_ROWS, amx_matmul, amx_pack, small_matmul
 
-_PACKED: dict[int, tuple[torch.Size, torch.Tensor]] = {}  # weight's address -> (its shape, packed copy)
+# weight's address -> (its shape, oneDNN's packed copy, the AMX kernel's copy or None)
+_PACKED: dict[int, tuple[torch.Size, torch.Tensor, torch.Tensor | None]] = {}
 _LOCK = threading.Lock()
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -45,7 +49,9 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if entry is None or entry[0] != weight.shape or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # oneDNN takes [rows, in]
-    out = small_matmul(rows, weight, bias) if rows.shape[0] <= SMALL_MATMUL_MAX_ROWS else None
+    out = amx_matmul(rows, entry[2], bias) if entry[2] is not None else None
+    if out is None and rows.shape[0] <= SMALL_MATMUL_MAX_ROWS:
+        out = small_matmul(rows, weight, bias)
     if out is None:
         out = torch.ops.mkldnn._linear_pointwise(rows, entry[1], bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -86,7 +92,7 @@ def prepack(model: nn.Module) -> int:
             key = weight.data_ptr()
             with _LOCK:
                 if key not in _PACKED:
-                    _PACKED[key] = (weight.shape, torch.ops.mkldnn._reorder_linear_weight(weight))
+                    _PACKED[key] = (weight.shape, torch.ops.mkldnn._reorder_linear_weight(weight), amx_pack(weight))
                     weakref.finalize(module.weight, _forget, key)
             module.__class__ = PrepackedLinear
         if type(module) is PrepackedLinear:

@@ -198,7 +198,8 @@ class ModelRunner:
             native.available()  # build (once per machine) or load the kernels now, not in the first request's step
         self.prepacked = prepack(model) if wants_prepack and prepack_supported(self.dtype, self.device) else 0
         if self.prepacked:
-            log.info("%d linear weights prepacked for oneDNN (a second copy of each)", self.prepacked)
+            log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", self.prepacked,
+                     " and the AMX matmul (a third)" if self.dtype == torch.bfloat16 and native.amx_available() else "")
         self.storage = SlotStorage(
             model.config,
             max_slots=table.batch_sizes[-1],

@@ -40,7 +40,7 @@ class ServerSettings:
     # bypass the persistent compile cache, so every restart compiles again.
     inductor_freezing: bool = False
     # CPU bfloat16 linears on weights reordered once into oneDNN's layout (2x per matmul here); --no-weight-prepack
-    # turns it off (A/B, or to save the second copy of the weights it keeps).
+    # turns it off (A/B, or to save the second copy of the weights it keeps, and the AMX matmul's third).
     weight_prepack: bool = True
     # CPU, continuous batching, one rank: prompt tokens ride in the decode steps (mixed steps, one pass over the
     # weights for both) instead of running between them; --no-mixed-steps alternates prefill and decode steps.

@@ -1,11 +1,12 @@
 """bucketserve's own kernels (models/native.py): they build here; decode attention equals attention in float32
 to bf16 rounding over each row's own slot and extent and never reads past an extent; the small matmul equals a
-float32 matmul to bf16 rounding; the attention ops and the prepacked linear use them for bf16 decoding rows and
-steps of 1-4 rows (falling back to SDPA and oneDNN where they do not apply or are switched off)."""
+float32 matmul to bf16 rounding, and so does the AMX matmul; the attention ops and the prepacked linear use them
+for bf16 decoding rows and steps of 1-128 rows (falling back to SDPA and oneDNN where they do not apply or are
+switched off)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -161,26 +162,82 @@ def test_small_matmul_declines_what_it_does_not_take() -> None:
     assert native.small_matmul(torch.randn(1, 64).bfloat16(), torch.randn(40, 64).bfloat16()) is None  # N % 16
 
 
-def test_prepacked_linears_of_a_few_rows_take_the_small_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row: the small matmul; 2-128 rows: the AMX matmul where the CPU has AMX (else 1-4 rows the small
+    matmul); more rows (prompts): oneDNN. Each gives the plain linear's result to bf16 rounding."""
     torch.manual_seed(3)
     layer = torch.nn.Linear(64, 96, bias=False).bfloat16().requires_grad_(False)
-    inputs = {rows: torch.randn(rows, 1, 64).bfloat16() for rows in (1, 4, 5)}
+    inputs = {rows: torch.randn(rows, 1, 64).bfloat16() for rows in (1, 4, 5, 128, 129)}
     plain = {rows: torch.nn.functional.linear(x, layer.weight) for rows, x in inputs.items()}
     prepack(layer)
-    taken: list[int] = []
-    real = native.small_matmul
+    taken: list[tuple[str, int]] = []
 
-    def counted(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        out = real(rows, weight, bias)
-        taken.append(rows.shape[0] if out is not None else 0)
-        return out
+    def counted(name: str, real: Callable[..., torch.Tensor | None]) -> Callable[..., torch.Tensor | None]:
+        def call(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+            out = real(rows, weight, bias)
+            if out is not None:
+                taken.append((name, rows.shape[0]))
+            return out
+        return call
 
-    monkeypatch.setattr("models.prepack.small_matmul", counted)
+    monkeypatch.setattr("models.prepack.small_matmul", counted("small", native.small_matmul))
+    monkeypatch.setattr("models.prepack.amx_matmul", counted("amx", native.amx_matmul))
     for rows, x in inputs.items():
         torch.testing.assert_close(layer(x), plain[rows], rtol=1e-2, atol=1e-2)
     if native.small_matmul(inputs[1][0], layer.weight) is None:
         pytest.skip("no AVX512-BF16 on this CPU")
-    assert taken == [1, 4]  # 5 rows never ask: oneDNN
+    if native.amx_available():
+        assert taken == [("small", 1), ("amx", 4), ("amx", 5), ("amx", 128)]  # 129 rows: oneDNN
+    else:
+        assert taken == [("small", 1), ("small", 4)]
+
+
+def _amx_or_skip() -> None:
+    if not native.amx_available():
+        pytest.skip("no AMX on this CPU (or Linux does not grant the tile state)")
+
+
+def test_amx_pack_puts_each_weight_pair_where_the_tiles_read_it() -> None:
+    _amx_or_skip()
+    w = torch.randn(64, 96).bfloat16()
+    packed = native.amx_pack(w)
+    assert packed is not None and packed.shape == (2, 3, 2, 16, 16, 2)
+    for g, b, j, r, n, i in [(0, 0, 0, 0, 0, 0), (1, 2, 1, 15, 15, 1), (0, 1, 1, 3, 7, 0), (1, 0, 0, 9, 2, 1)]:
+        assert packed[g, b, j, r, n, i] == w[32 * g + 16 * j + n, 32 * b + 2 * r + i]
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [2, 5, 16, 17, 33, 128])
+def test_amx_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_features: int, threads: int) -> None:
+    _amx_or_skip()
+    torch.manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features).bfloat16()
+    w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
+    packed = native.amx_pack(w)
+    assert packed is not None
+    got = native.amx_matmul(x, packed)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
+    bias = torch.randn(out_features).bfloat16()
+    with_bias = native.amx_matmul(x, packed, bias)
+    assert with_bias is not None
+    torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
+
+
+def test_amx_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    _amx_or_skip()
+    w = torch.randn(96, 64).bfloat16()
+    packed = native.amx_pack(w)
+    assert packed is not None
+    assert native.amx_matmul(torch.randn(1, 64).bfloat16(), packed) is None  # one row: the small matmul's
+    assert native.amx_matmul(torch.randn(129, 64).bfloat16(), packed) is None  # a prompt: oneDNN's
+    assert native.amx_matmul(torch.randn(4, 64), packed) is None  # float32: the reference path
+    assert native.amx_matmul(torch.randn(4, 32).bfloat16(), packed) is None  # K does not match
+    assert native.amx_pack(torch.randn(48, 64).bfloat16()) is None  # N % 32
+    assert native.amx_pack(torch.randn(96, 40).bfloat16()) is None  # K % 32
+    assert native.amx_pack(w.float()) is None
+    monkeypatch.setitem(native._switch, "on", False)
+    assert native.amx_matmul(torch.randn(4, 64).bfloat16(), packed) is None  # --no-native-kernels
 
 
 def test_decode_reads_a_kv_bucket_of_the_slot_buffers(kernel_calls: list[bool]) -> None:

@@ -1,0 +1,160 @@
+/* y = x @ w.T in bfloat16 with AMX tiles, on a copy of the weight packed for them (models/native.py packs it and
+ * calls this; models/prepack.py routes bf16 linears here).
+ *
+ * Why: oneDNN's prepacked bf16 matmul streams a decode step's weights at ~8 GB/s for 8-16 rows, where one core
+ * reads ~12.5 GB/s, and the AVX512-BF16 kernel (small_matmul.c) is bound by its dot products from 8 rows on. An
+ * AMX tile product (16 rows x 16 columns x 32 k) takes one instruction, so 1-16 rows cost the same arithmetic and
+ * the loop is bound by reading the weight: tiles of 1 KiB, read once, in the order they are stored (the hardware
+ * prefetcher follows that stream: software prefetch 0-16 KiB ahead measured the same).
+ *
+ * Packed weight (elements, bf16 as uint16): [N/32, K/32, 2, 16, 16, 2]: for a group of 32 output columns
+ * (two tiles of 16) and a block of 32 k, tile j (j = 0, 1) is the "VNNI" layout AMX wants: row r holds, for each
+ * of its 16 columns n, the pair w[32g + 16j + n, 32b + 2r + {0, 1}]. A group's tiles follow one another for
+ * all k, so a group is one contiguous run of memory.
+ *
+ * Shapes: x [M, K] contiguous, y [M, N] contiguous, K % 32 == 0, N % 32 == 0, M >= 1. Rows go in pairs of 16-row
+ * blocks (four accumulators: the tile products' latency overlaps); a group's tiles are read from memory for the
+ * first pair and from cache for the next. Sums in fp32 (exact products of bf16 pairs), rounded to bf16 once
+ * (nearest even). Measured (docs/performance.md): 1.4x oneDNN at 1-32 rows, 1.2x at 64, 0.96x at 256.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* The tile configuration (palette 1): tmm0-3 the fp32 accumulators C[i][j] (row block i, column tile j) [rows_i,
+ * 16], tmm4/5 the row blocks' k block A[i] [rows_i, 32 bf16], tmm6/7 the two weight tiles [16 pairs, 16 x 2]. */
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void configure(int rows0, int rows1) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const uint8_t rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = rows[t] ? rows[t] : 1; /* an unused block still needs a valid shape */
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Accumulators C[i][0], C[i][1] (i = second ? 1 : 0) -> bf16 rows out[r * N + 0..31], r < rows. */
+static inline void store_rows(int second, uint16_t *out, int64_t N, int rows) {
+    float acc[2][16][16];
+    if (second) { /* tile numbers must be constants */
+        _tile_stored(2, acc[0], 64);
+        _tile_stored(3, acc[1], 64);
+    } else {
+        _tile_stored(0, acc[0], 64);
+        _tile_stored(1, acc[1], 64);
+    }
+    for (int r = 0; r < rows; r++) {
+        __m256bh lo = _mm512_cvtneps_pbh(_mm512_loadu_ps(acc[0][r]));
+        __m256bh hi = _mm512_cvtneps_pbh(_mm512_loadu_ps(acc[1][r]));
+        _mm256_storeu_si256((__m256i *)(out + r * N), (__m256i)lo);
+        _mm256_storeu_si256((__m256i *)(out + r * N + 16), (__m256i)hi);
+    }
+}
+
+/* Output columns [32g, 32g + 32) of the rows of one block (two == 0: rows0 rows from m0) or two blocks (rows0 +
+ * rows1 rows: four independent accumulator chains, so the tile products' latency overlaps). */
+static inline void group_block(const uint16_t *x, const uint16_t *wg, uint16_t *y, int64_t m0, int rows0,
+                               int rows1, int64_t N, int64_t K, int64_t g) {
+    const int64_t blocks = K / 32;
+    const uint16_t *x0 = x + m0 * K, *x1 = x + (m0 + rows0) * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *t = wg + b * 1024; /* two tiles of 512 elements */
+        _tile_loadd(6, t, 64);
+        _tile_loadd(7, t + 512, 64);
+        _tile_loadd(4, x0 + b * 32, K * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows1) {
+            _tile_loadd(5, x1 + b * 32, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    store_rows(0, y + m0 * N + g * 32, N, rows0);
+    if (rows1) store_rows(1, y + (m0 + rows0) * N + g * 32, N, rows1);
+}
+
+static void run(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t g0,
+                int64_t g1) {
+    /* Rows in pairs of 16-row blocks; the rest (under 32 rows) as one or two blocks of about equal size. */
+    const int64_t paired = M >= 32 ? (M / 32) * 32 : 0;
+    const int64_t rest = M - paired;
+    const int r0 = rest > 16 ? (int)((rest + 1) / 2) : (int)rest, r1 = (int)(rest - r0);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint16_t *wg = w + g * K * 32;
+        if (paired) {
+            configure(16, 16);
+            for (int64_t m0 = 0; m0 < paired; m0 += 32) group_block(x, wg, y, m0, 16, 16, N, K, g);
+        }
+        if (rest) {
+            configure(r0, r1);
+            group_block(x, wg, y, paired, r0, r1, N, K, g);
+        }
+    }
+    _tile_release();
+}
+
+/* 1 when this process may use AMX (asking Linux for the tile state once), else 0: the caller never asks. */
+int bucketserve_amx_supported(void) {
+    unsigned long bits = 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bits) == 0 && (bits & (1ul << XFEATURE_XTILEDATA)))
+        return 1;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
+    return syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bits) == 0 && (bits & (1ul << XFEATURE_XTILEDATA));
+}
+
+/* Returns 0, or -1 when the shapes do not fit (the caller then uses oneDNN). */
+int bucketserve_amx_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                                int threads) {
+    if (M < 1 || K < 32 || K % 32 || N < 32 || N % 32) return -1;
+    const int64_t groups = N / 32;
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+        { /* tile state is per thread: each configures its own */
+            int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+            run(x, w, y, M, N, K, groups * t / n, groups * (t + 1) / n);
+        }
+        return 0;
+    }
+#endif
+    (void)threads;
+    run(x, w, y, M, N, K, 0, groups);
+    return 0;
+}
+#else
+int bucketserve_amx_supported(void) { return 0; }
+
+int bucketserve_amx_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                                int threads) {
+    (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)threads;
+    return -1;
+}
+#endif
