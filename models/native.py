@@ -135,6 +135,8 @@ def _load() -> None:
     lib.bucketserve_decode_attention_bf16.restype = ctypes.c_int
     lib.bucketserve_small_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.bucketserve_small_matmul_bf16.restype = ctypes.c_int
+    lib.bucketserve_mask_extents.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr]
+    lib.bucketserve_mask_extents.restype = ctypes.c_int
     lib.bucketserve_amx_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.bucketserve_amx_matmul_bf16.restype = ctypes.c_int
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
@@ -206,6 +208,18 @@ def small_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if status != 0:
         return None
     return out if bias is None else out.add_(bias)
+
+
+def mask_extents(rows: torch.Tensor) -> tuple[tuple[int, ...], bool] | None:
+    """rows [R, K]: additive mask rows (0 bits = attend) -> (per row, 1 + its last attended position, or K when it
+    attends none; whether every row attends exactly the positions before that). None when the kernels are off
+    or the layout does not fit (the caller scans in numpy: same result)."""
+    if rows.dim() != 2 or rows.stride(1) != 1 or rows.element_size() not in (2, 4) or not available():
+        return None
+    ext = np.empty(rows.shape[0], dtype=np.int64)
+    prefix = _lib().bucketserve_mask_extents(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0),
+                                             rows.element_size(), ext.ctypes.data)
+    return None if prefix < 0 else (tuple(ext.tolist()), prefix == 1)
 
 
 def amx_available() -> bool:

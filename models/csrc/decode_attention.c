@@ -142,6 +142,40 @@ int bucketserve_native_openmp(void) {
 #endif
 }
 
+/* The extents of an additive mask's rows (models/attention.py `_extents`): row r's elements (2 or 4 bytes each,
+ * `width`; rows `stride` elements apart, `cols` long) are 0 bits where the row attends. ext[r] = 1 + its last
+ * attended position (`cols` when it attends none). Returns 1 when every row attends exactly [0, ext[r]) (no
+ * sliding window, no hole, not empty), else 0; -1 for an element width it does not take. Why here: the same
+ * scan in numpy cost ~40 us for a [16, 2048] mask, in each of a step's 30 layers. */
+/* One row: the count of zero elements (a loop the compiler vectorizes), the run of zeros from 0 (early exit);
+ * they agree for a prefix, else the last zero is searched from the end. */
+#define ROW_EXTENT(T)                                                                                          \
+    do {                                                                                                       \
+        const T *m = (const T *)mask + r * stride;                                                             \
+        int64_t zeros = 0, first = 0, last = cols - 1;                                                         \
+        for (int64_t c = 0; c < cols; c++) zeros += m[c] == 0;                                                 \
+        while (first < cols && m[first] == 0) first++;                                                         \
+        if (first > 0 && zeros == first) {                                                                     \
+            ext[r] = first;                                                                                    \
+        } else {                                                                                               \
+            while (last >= 0 && m[last] != 0) last--;                                                          \
+            ext[r] = last < 0 ? cols : last + 1;                                                               \
+            prefix = 0;                                                                                        \
+        }                                                                                                      \
+    } while (0)
+
+int bucketserve_mask_extents(const void *mask, int64_t rows, int64_t cols, int64_t stride, int width, int64_t *ext) {
+    if (width != 2 && width != 4) return -1;
+    int prefix = 1;
+    for (int64_t r = 0; r < rows; r++) {
+        if (width == 2)
+            ROW_EXTENT(uint16_t);
+        else
+            ROW_EXTENT(uint32_t);
+    }
+    return prefix;
+}
+
 /* Returns 0, or -1 for shapes this kernel does not take (the caller then uses SDPA). */
 int bucketserve_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                                       const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,

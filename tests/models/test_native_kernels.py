@@ -275,3 +275,23 @@ def test_sliding_window_rows_keep_sdpa(kernel_calls: list[bool]) -> None:
                                                      v[r : r + 1, :, e - min(e, window) : e].float(), scale=dim ** -0.5)
                       for r, e in enumerate(extents)])
     torch.testing.assert_close(ours.float(), want.reshape(2, 1, kv * groups, dim), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mask_extents_scan_equals_the_numpy_scan(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C scan of a mask's rows gives what the numpy scan gives: prefixes, a sliding window, a hole, a row that
+    attends nothing, a row that attends everything."""
+    from models.attention import _extents
+
+    width = 64
+    attend = [range(0, 5), range(0, 1), range(10, 20), [*range(0, 3), 7], [], range(0, width)]
+    mask = torch.full((len(attend), 1, 1, width), float("-inf"), dtype=dtype)
+    for r, seen in enumerate(attend):
+        mask[r, 0, 0, list(seen)] = 0.0
+    got = _extents(mask)
+    assert native.mask_extents(mask[:, 0, -1]) is not None  # the C scan ran
+    monkeypatch.setitem(native._switch, "on", False)
+    assert got == _extents(mask) == ((5, 1, 20, 8, width, width), False)
+    monkeypatch.setitem(native._switch, "on", True)
+    prefixes = mask[[0, 1, 5]]
+    assert _extents(prefixes) == ((5, 1, width), True)
