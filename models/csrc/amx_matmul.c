@@ -72,7 +72,7 @@ static inline void store_rows(int second, uint16_t *out, int64_t N, int rows) {
     }
 }
 
-/* Output columns [32g, 32g + 32) of the rows of one block (two == 0: rows0 rows from m0) or two blocks (rows0 +
+/* Output columns [32g, 32g + 32) of the rows of one block (rows1 == 0: rows0 rows from m0) or two blocks (rows0 +
  * rows1 rows: four independent accumulator chains, so the tile products' latency overlaps). */
 static inline void group_block(const uint16_t *x, const uint16_t *wg, uint16_t *y, int64_t m0, int rows0,
                                int rows1, int64_t N, int64_t K, int64_t g) {
@@ -107,14 +107,16 @@ static void run(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, in
     const int64_t paired = M >= 32 ? (M / 32) * 32 : 0;
     const int64_t rest = M - paired;
     const int r0 = rest > 16 ? (int)((rest + 1) / 2) : (int)rest, r1 = (int)(rest - r0);
+    const int both = paired && rest; /* then each group switches between the two shapes */
+    if (!both) configure(paired ? 16 : r0, paired ? 16 : r1);
     for (int64_t g = g0; g < g1; g++) {
         const uint16_t *wg = w + g * K * 32;
         if (paired) {
-            configure(16, 16);
+            if (both) configure(16, 16);
             for (int64_t m0 = 0; m0 < paired; m0 += 32) group_block(x, wg, y, m0, 16, 16, N, K, g);
         }
         if (rest) {
-            configure(r0, r1);
+            if (both) configure(r0, r1);
             group_block(x, wg, y, paired, r0, r1, N, K, g);
         }
     }
