@@ -38,6 +38,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -199,15 +200,7 @@ def small_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             or weight.dim() != 2 or weight.shape[1] != k or k % 32 or n % 16 or not weight.is_contiguous()
             or not available() or not _state["matmul"]):
         return None
-    threads = _threads()
-    if threads is None:
-        return None
-    x = rows.contiguous()
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    status = _lib().bucketserve_small_matmul_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, threads)
-    if status != 0:
-        return None
-    return out if bias is None else out.add_(bias)
+    return _matmul(_lib().bucketserve_small_matmul_bf16, rows, weight, n, bias)
 
 
 def mask_extents(rows: torch.Tensor) -> tuple[tuple[int, ...], bool] | None:
@@ -241,16 +234,23 @@ def amx_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """rows [M, K] @ w.T (+ bias [N]) -> [M, N] in bf16 for AMX_MIN_ROWS <= M <= AMX_MAX_ROWS, from w's copy made
     by amx_pack; None when the kernel does not take these inputs (the caller uses oneDNN)."""
     m, k = rows.shape
-    if (not AMX_MIN_ROWS <= m <= AMX_MAX_ROWS or rows.dtype != torch.bfloat16 or packed.dim() != 6
-            or packed.shape[1] * 32 != k or not amx_available()):
+    if (not AMX_MIN_ROWS <= m <= AMX_MAX_ROWS or rows.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16
+            or packed.dim() != 6 or packed.shape[1] * 32 != k or not packed.is_contiguous() or not amx_available()):
         return None
+    return _matmul(_lib().bucketserve_amx_matmul_bf16, rows, packed, packed.shape[0] * 32, bias)
+
+
+def _matmul(kernel: Any, rows: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None
+            ) -> torch.Tensor | None:
+    """rows [M, K] x the weight (plain [N, K] or AMX-packed) through `kernel(x, w, y, M, N, K, threads)` -> [M, N]
+    bf16 (+ bias), or None when it declines."""
     threads = _threads()
     if threads is None:
         return None
-    n = packed.shape[0] * 32
+    m, k = rows.shape
     x = rows.contiguous()
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    if _lib().bucketserve_amx_matmul_bf16(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, n, k, threads) != 0:
+    if kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, threads) != 0:
         return None
     return out if bias is None else out.add_(bias)
 
