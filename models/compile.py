@@ -24,6 +24,7 @@ CompilePhase = Literal["warmup", "serving"]
 # "eager": no compilation at all, same static shapes. "dynamo-eager": dynamo captures and guards graphs
 # but runs them eagerly (fast, for tests of the accounting and the no-recompile guarantees).
 BACKENDS = ("inductor", "eager", "neuron", "dynamo-eager")
+QUANTIZE_MODES = ("none", "int8")  # none | weight-only int8 for steps of 1-128 rows (models/prepack.py)
 
 
 class RecompileError(RuntimeError):
@@ -42,8 +43,12 @@ class CompileSettings:
     # CPU bf16: bucketserve's own kernels (models/native.py) for decoding rows' attention and linears of 1-4
     # rows; SDPA and oneDNN where they do not apply.
     native_kernels: bool = True
+    # CPU bf16 with AMX: "int8" runs steps of 1-128 rows on weight-only int8 copies of the linears (prepack.py).
+    quantize: str = "none"
 
     def __post_init__(self) -> None:
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"compile backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.recompile_policy not in ("error", "allow"):

@@ -140,6 +140,8 @@ def _load() -> None:
     lib.bucketserve_mask_extents.restype = ctypes.c_int
     lib.bucketserve_amx_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.bucketserve_amx_matmul_bf16.restype = ctypes.c_int
+    lib.bucketserve_amx_matmul_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.bucketserve_amx_matmul_q8.restype = ctypes.c_int
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
                   matmul=bool(lib.bucketserve_small_matmul_supported()), amx=bool(lib.bucketserve_amx_supported()))
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
@@ -238,6 +240,34 @@ def amx_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
             or packed.dim() != 6 or packed.shape[1] * 32 != k or not packed.is_contiguous() or not amx_available()):
         return None
     return _matmul(_lib().bucketserve_amx_matmul_bf16, rows, packed, packed.shape[0] * 32, bias)
+
+
+def int8_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """weight [N, K] bf16 -> (q, scale): its weight-only int8 quantization, per output column (symmetric:
+    scale [N] fp32 = max |w[n]| / 127, q = round(w / scale) in [-127, 127]), q in amx_pack's layout (one byte an
+    element); None where amx_pack declines. w ~ q * scale to half a step (scale / 2) per element."""
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    if weight.dtype != torch.bfloat16 or n % 32 or k % 32 or not n or not k or not amx_available():
+        return None
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous(), scale.contiguous()
+
+
+def int8_matmul(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
+    """rows [M, K] bf16 @ (q * scale).T (+ bias [N]) -> [M, N] bf16 for 1 <= M <= AMX_MAX_ROWS, from int8_pack's
+    pair (the AMX kernel converts the int8 tiles to bf16 as it reads them, and scales each column's fp32 sum
+    before the one rounding); None when the kernel does not take these inputs."""
+    m, k = rows.shape
+    n = q.shape[0] * 32 if q.dim() == 6 else 0
+    if (not 1 <= m <= AMX_MAX_ROWS or rows.dtype != torch.bfloat16 or q.dtype != torch.int8 or not n
+            or q.shape[1] * 32 != k or not q.is_contiguous() or scale.dtype != torch.float32
+            or scale.shape != (n,) or not scale.is_contiguous() or not amx_available()):
+        return None
+    kernel, s = _lib().bucketserve_amx_matmul_q8, scale.data_ptr()
+    return _matmul(lambda x, w, y, *dims: kernel(x, w, s, y, *dims), rows, q, n, bias)
 
 
 def _matmul(kernel: Any, rows: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None

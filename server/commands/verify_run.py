@@ -59,7 +59,7 @@ def run_engine(settings: ServerSettings, args: argparse.Namespace) -> Run:
     ours = asyncio.run(drive())
     runner = engine.model.runner
     graphs = {str(k): n for k, n in runner.calls.items()} if runner is not None else {}
-    ref = reference_outcomes(engine.model.path, cases)
+    ref = reference_outcomes(engine.model.path, cases, args.reference_dtype)
     return engine.table, engine.model.dtype, cases, ours, ref, graphs, engine.model.name
 
 
@@ -80,7 +80,7 @@ def run_against(settings: ServerSettings, args: argparse.Namespace) -> Run:
         ours = [_remote(client, url, name, case, tokenizer) for case in cases]
     # The remote dtype is unknown: an explicit --dtype float32 asks for the exact rule, anything else the threshold.
     dtype = settings.dtype if settings.dtype != "auto" else "remote"
-    return table, dtype, cases, ours, reference_outcomes(path, cases), {}, name
+    return table, dtype, cases, ours, reference_outcomes(path, cases, args.reference_dtype), {}, name
 
 
 def _remote(client: httpx.Client, url: str, model: str, case: Case, tokenizer: Any) -> Outcome:

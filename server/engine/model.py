@@ -69,6 +69,7 @@ class EngineModel:
         self.metrics = SafeHooks(metrics)
         self.tokenizer: Any = load_tokenizer(model_path)
         self.config = AutoConfig.from_pretrained(model_path)
+        settings.check_quantize()
         # Mixed steps' attention op has no sliding windows: such models keep separate prefill and decode steps.
         self.table = table or settings.bucket_table(max_positions(self.config), mixed_ok=_full_attention(self.config))
         self.name = settings.served_model_name or model_display_name(model_path)
@@ -103,7 +104,8 @@ class EngineModel:
         torch.set_num_threads(self.num_threads)
         prewarm = prewarm_inductor(self.compile_cache_dir()) if s.compile_backend == "inductor" else None
         compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
-                                           s.inductor_freezing, s.weight_prepack, s.native_kernels)
+                                           s.inductor_freezing, s.weight_prepack, s.native_kernels,
+                                           quantize=s.quantize)
         self.runner = self.build_runner(compile_settings, prewarm)
         log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, mixed tokens "
                  "%s, context %d: %d graphs", list(self.table.lengths), list(self.table.batch_sizes),
@@ -150,7 +152,8 @@ class EngineModel:
         s = self.settings
         if compile_settings is None:
             compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
-                                               s.inductor_freezing, s.weight_prepack, s.native_kernels)
+                                               s.inductor_freezing, s.weight_prepack, s.native_kernels,
+                                               quantize=s.quantize)
         torch.set_num_threads(self.num_threads)
         t0 = time.monotonic()
         model = self.mesh.load(self.path, self.dtype) if self.mesh else load_model(self.path, self.dtype, s.device)

@@ -88,10 +88,11 @@ def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: 
             from models import prepack as module
 
             head = model.get_output_embeddings().weight
-            shape, _, amx = module._PACKED[head.data_ptr()]
+            entry = module._PACKED[head.data_ptr()]
             zeros = torch.zeros_like(head)
-            module._PACKED[head.data_ptr()] = (shape, torch.ops.mkldnn._reorder_linear_weight(zeros),
-                                               None if amx is None else torch.zeros_like(amx))
+            module._PACKED[head.data_ptr()] = entry._replace(
+                onednn=torch.ops.mkldnn._reorder_linear_weight(zeros),
+                amx=None if entry.amx is None else torch.zeros_like(entry.amx))
             logits = runner.decode(1, torch.tensor([7]), torch.tensor([11]))
             assert torch.count_nonzero(logits[0]) == 0
         runner.stop_serving()

@@ -42,6 +42,19 @@ def test_weight_prepack_is_on_by_default_and_can_be_turned_off() -> None:
     assert parse([], {"BUCKETSERVE_WEIGHT_PREPACK": "0"}).weight_prepack is False
 
 
+def test_quantize_is_off_by_default_and_int8_needs_the_cpu_bf16_path() -> None:
+    assert parse([]).quantize == "none"
+    assert parse(["--quantize", "int8"]).quantize == "int8"
+    assert parse([], {"BUCKETSERVE_QUANTIZE": "int8"}).quantize == "int8"
+    for argv in (["--dtype", "float32"], ["--no-weight-prepack"], ["--no-native-kernels"], ["--inductor-freezing"],
+                 ["--tensor-parallel-size", "2"], ["--device", "cuda"]):
+        with pytest.raises(SettingsError, match="--quantize int8 needs"):
+            parse(["--quantize", "int8", *argv]).check_quantize()
+    parse(["--quantize", "int8", "--dtype", "bfloat16"]).check_quantize()  # the CPU bf16 path: fine
+    with pytest.raises(SettingsError, match="quantize"):
+        ServerSettings(quantize="int4")
+
+
 @pytest.mark.parametrize("argv, env, message", [
     (["--api-key", ""], {}, "must not be empty"),
     ([], {"BUCKETSERVE_API_KEY": ""}, "must not be empty"),

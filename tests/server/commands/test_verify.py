@@ -74,3 +74,17 @@ def test_verify_against_a_running_server(tiny_llama: str, tmp_path: Path) -> Non
         code, report = verify(tiny_llama, tmp_path, "--against", served.server.url)
     assert code == 0 and report["against"] == served.server.url and report["agreement"] == 1.0
     assert all(c["first_divergence"] is None for c in report["cases"])
+
+
+def test_verify_measures_int8_against_eager_bf16(tiny_llama: str, tmp_path: Path) -> None:
+    """--quantize int8 --reference-dtype bfloat16: the agreement of the int8 serving path with plain bf16."""
+    from models import native
+
+    if not native.amx_available():
+        pytest.skip("--quantize int8 needs AMX")
+    code, report = verify(tiny_llama, tmp_path, "--dtype", "bfloat16", "--quantize", "int8", "--reference-dtype",
+                          "bfloat16", "--min-agreement", "0.5")
+    assert report["quantize"] == "int8" and report["reference_dtype"] == "bfloat16" and report["dtype"] == "bfloat16"
+    assert code == 0 and report["verdict"] == "pass" and "token agreement >= 0.5" in report["rule"]
+    assert "int8 weights" in (tmp_path / "report.md").read_text() and "against eager bfloat16" in (
+        tmp_path / "report.md").read_text()
