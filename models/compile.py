@@ -9,11 +9,15 @@ recompile raises instead of compiling silently, and fullgraph=True means no sile
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
@@ -196,15 +200,23 @@ def prewarm_inductor(cache_dir: str) -> threading.Thread:
     return thread
 
 
+@functools.cache
+def graph_code_digest() -> str:
+    """A digest of the Python that shapes the compiled graphs (every models/*.py): a bucketserve version that
+    traces different graphs gets its own cache directory, rather than loading artifacts built from the old code
+    (a saved artifact is only checked against the weights' names and shapes and the torch version)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def cache_key(parts: dict[str, Any]) -> str:
     """A directory name that changes whenever anything that shapes a compiled artifact changes: model,
-    dtype, device, buckets, backend, thread count, torch and transformers versions."""
-    import hashlib
-    import json
-
+    dtype, device, buckets, backend, thread count, torch and transformers versions, bucketserve's graph code."""
     import transformers
 
-    full = dict(parts, torch=torch.__version__, transformers=transformers.__version__)
+    full = dict(parts, torch=torch.__version__, transformers=transformers.__version__, code=graph_code_digest())
     return hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -81,6 +81,18 @@ def test_compile_cache_key_changes_with_dtype_buckets_and_model(tiny_llama: str,
         assert build_model(changed, tiny_llama).compile_cache_dir() != key
 
 
+def test_compile_cache_key_changes_with_the_graph_code(tiny_llama: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucketserve whose models/ code differs (it may trace other graphs) does not load the old artifacts."""
+    import models.compile
+
+    base = tiny_settings(compile_backend="inductor", compile_cache_dir=str(tmp_path))
+    key = build_model(base, tiny_llama).compile_cache_dir()
+    assert len(models.compile.graph_code_digest()) == 16
+    monkeypatch.setattr(models.compile, "graph_code_digest", lambda: "another-version")
+    assert build_model(base, tiny_llama).compile_cache_dir() != key
+
+
 def test_second_process_loads_every_graph_from_the_cache(tiny_llama: str, tmp_path: Path) -> None:
     cache = str(tmp_path / "cache")
     flags = ["--buckets", "16", "--batch-sizes", "1", "--prefill-batch-sizes", "1", "--max-model-len", "32",
