@@ -30,6 +30,7 @@ from models.compile import (
     fail_on_recompile,
     resolve_backend,
 )
+from models.gated_mlp import fuse_gated_mlps
 from models.masks import chunk_mask, decode_mask, sliding_window
 from models.prepack import prepack
 from models.prepack import supported as prepack_supported
@@ -212,6 +213,8 @@ class ModelRunner:
             elif self.dtype == torch.bfloat16 and native.amx_available():
                 third = " and the AMX matmul (a third)"
             log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", self.prepacked, third)
+        # Gated SiLU MLPs as one op: prompt-sized steps fuse silu and the product into oneDNN (models/gated_mlp.py).
+        self.fused_mlps = fuse_gated_mlps(model) if self.prepacked else 0
         self.storage = SlotStorage(
             model.config,
             max_slots=table.batch_sizes[-1],

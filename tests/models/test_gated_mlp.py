@@ -1,0 +1,67 @@
+"""Gated SiLU MLPs as one op (models/gated_mlp.py): the op computes silu(gate) * up whichever route its rows
+take (oneDNN's fused epilogues for prompt-sized steps), and only prepacked gated-SiLU MLPs are swapped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from buckets import BucketTable, GraphKey
+from models.compile import CompileSettings
+from models.gated_mlp import GatedSiLUMLP, fuse_gated_mlps
+from models.loading import load_model
+from models.prepack import prepack, supported
+from models.runner import ModelRunner, PrefillRow
+
+pytestmark = pytest.mark.skipif(not supported(torch.bfloat16, "cpu"), reason="needs oneDNN (mkldnn) on the CPU")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 129, 256])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_op_computes_silu_gate_times_up(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    layers = nn.ModuleDict({"gate": nn.Linear(64, 96, bias=bias), "up": nn.Linear(64, 96, bias=bias)})
+    layers = layers.bfloat16().requires_grad_(False)
+    x = torch.randn(1, rows, 64).bfloat16()
+    want = (nn.functional.silu(layers["gate"](x).float()) * layers["up"](x).float())
+    prepack(layers)
+    gate, up = layers["gate"], layers["up"]
+    got = torch.ops.bucketserve.gated_silu(x, gate.weight, gate.bias, up.weight, up.bias)
+    assert got.shape == (1, rows, 96) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prepacked_gated_mlps_are_swapped_and_give_the_same_logits(tiny_models: dict[str, str], arch: str) -> None:
+    model = load_model(tiny_models[arch], "bfloat16", "cpu")
+    ids = torch.tensor([[5, 9, 14, 33, 71, 2, 8, 100] * 20])  # 160 tokens: the oneDNN route
+    with torch.no_grad():
+        before = model(ids).logits.float()
+        assert fuse_gated_mlps(model) == 0  # plain nn.Linear: not prepacked, nothing to fuse
+        prepack(model)
+        layers = model.config.num_hidden_layers
+        assert fuse_gated_mlps(model) == layers and fuse_gated_mlps(model) == 0
+        assert sum(type(m) is GatedSiLUMLP for m in model.modules()) == layers
+        after = model(ids).logits.float()
+    torch.testing.assert_close(after, before, rtol=0.05, atol=0.05 * float(before.abs().max()))
+
+
+def test_only_gated_silu_mlps_and_prepacked_runners(tiny_models: dict[str, str], tiny_llama: str) -> None:
+    gpt2 = load_model(tiny_models["gpt2"], "bfloat16", "cpu")
+    prepack(gpt2)
+    assert fuse_gated_mlps(gpt2) == 0  # no gate / up / down
+    gelu = load_model(tiny_llama, "bfloat16", "cpu")
+    prepack(gelu)
+    for m in gelu.modules():
+        if hasattr(m, "act_fn"):
+            m.act_fn = nn.GELU()
+    assert fuse_gated_mlps(gelu) == 0
+    table = BucketTable(lengths=(8,), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=32, kv_lengths=(32,))
+    fp32 = ModelRunner(load_model(tiny_llama, "float32", "cpu"), table, CompileSettings(backend="inductor"))
+    assert fp32.fused_mlps == 0  # float32 is never prepacked: the reference path stays transformers'
+    bf16 = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), table, CompileSettings(backend="inductor"))
+    assert bf16.fused_mlps == 2
+    bf16.warmup([GraphKey("prefill", 1, 8), GraphKey("decode", 1, 32)])
+    logits = bf16.prefill([PrefillRow(0, [7, 9, 11])], 8, 1)
+    assert torch.isfinite(logits).all() and bf16.accountant.count("serving") == 0
