@@ -20,29 +20,30 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from models.native import AMX_MAX_ROWS, SMALL_MATMUL_MAX_ROWS
-from models.prepack import _PACKED, PrepackedLinear, _linear_cpu
+from models.prepack import PrepackedLinear, linear_cpu, packed_for
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
 _LIB.define("gated_silu(Tensor x, Tensor gate, Tensor? gate_bias, Tensor up, Tensor? up_bias) -> Tensor")
 
 
 def _onednn_rows(rows: int, amx: bool) -> bool:
-    """Whether prepack's linear would run `rows` rows in oneDNN (where the fused epilogues exist)."""
+    """Whether prepack's linear_cpu runs `rows` rows in oneDNN (where the fused epilogues exist): more than its AMX
+    and int8 kernels take, or more than the small matmul takes where there are neither (if a kernel of ours
+    declines at run time, the unfused path below still gives the same result, just unfused)."""
     return rows > AMX_MAX_ROWS or (not amx and rows > SMALL_MATMUL_MAX_ROWS)
 
 
 def _gated_cpu(x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, up: torch.Tensor,
                up_bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] -> silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias): [..., out]."""
-    g, u = _PACKED.get(gate.data_ptr()), _PACKED.get(up.data_ptr())
+    g, u = packed_for(gate, x), packed_for(up, x)
     rows = x.reshape(-1, x.shape[-1])
-    if (g is not None and u is not None and g.shape == gate.shape and u.shape == up.shape and x.dtype == gate.dtype
-            and _onednn_rows(rows.shape[0], g.amx is not None or g.int8 is not None)):
+    if g is not None and u is not None and _onednn_rows(rows.shape[0], g.amx is not None or g.int8 is not None):
         rows = rows.contiguous()
         act = torch.ops.mkldnn._linear_pointwise(rows, g.onednn, gate_bias, "swish", [], "")
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(rows, act, u.onednn, up_bias, "mul")
         return out.view(*x.shape[:-1], up.shape[0])
-    return F.silu(_linear_cpu(x, gate, gate_bias)) * _linear_cpu(x, up, up_bias)
+    return F.silu(linear_cpu(x, gate, gate_bias)) * linear_cpu(x, up, up_bias)
 
 
 def _gated_fake(x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, up: torch.Tensor,

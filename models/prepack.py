@@ -67,10 +67,17 @@ _LIB = torch.library.Library("bucketserve", "FRAGMENT")
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
-def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T + bias -> [..., out], through the packed copy when there is one."""
+def packed_for(weight: torch.Tensor, x: torch.Tensor) -> Packed | None:
+    """The packed copies of `weight` that an input like `x` may use (None: none, or another shape or dtype)."""
     entry = _PACKED.get(weight.data_ptr())
-    if entry is None or entry.shape != weight.shape or x.dtype != weight.dtype:
+    return entry if entry is not None and entry.shape == weight.shape and x.dtype == weight.dtype else None
+
+
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ weight[out, in].T + bias -> [..., out], through the packed copy when there is one (the
+    op's CPU kernel; models/gated_mlp.py calls it directly)."""
+    entry = packed_for(weight, x)
+    if entry is None:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # oneDNN takes [rows, in]
     out = None
@@ -89,7 +96,7 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-_LIB.impl("linear", _linear_cpu, "CPU")
+_LIB.impl("linear", linear_cpu, "CPU")
 torch.library.register_fake("bucketserve::linear", _linear_fake, lib=_LIB)
 
 
