@@ -226,10 +226,19 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] bf16 -> its copy in the AMX kernel's layout [N/32, K/32, 2, 16, 16, 2] (amx_matmul.c: tile j
     of column group g and k block b holds w[32g + 16j + n, 32b + 2r + i] at [g, b, j, r, n, i]), or None when the
     kernel cannot take it (no AMX, or N, K not multiples of 32)."""
+    return _tiled(weight.detach()) if _amx_takes(weight) else None
+
+
+def _amx_takes(weight: torch.Tensor) -> bool:
+    """The AMX kernel can read a copy of this weight: [N, K] bf16, N and K multiples of 32, AMX available."""
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    if weight.dtype != torch.bfloat16 or n % 32 or k % 32 or not n or not k or not amx_available():
-        return None
-    return weight.detach().view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    return weight.dtype == torch.bfloat16 and n > 0 and k > 0 and not n % 32 and not k % 32 and amx_available()
+
+
+def _tiled(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] (any element type) -> the tiles' layout [N/32, K/32, 2, 16, 16, 2] (see amx_pack)."""
+    n, k = w.shape
+    return w.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
 def amx_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -246,13 +255,12 @@ def int8_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """weight [N, K] bf16 -> (q, scale): its weight-only int8 quantization, per output column (symmetric:
     scale [N] fp32 = max |w[n]| / 127, q = round(w / scale) in [-127, 127]), q in amx_pack's layout (one byte an
     element); None where amx_pack declines. w ~ q * scale to half a step (scale / 2) per element."""
-    n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    if weight.dtype != torch.bfloat16 or n % 32 or k % 32 or not n or not k or not amx_available():
+    if not _amx_takes(weight):
         return None
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous(), scale.contiguous()
+    return _tiled(q), scale.contiguous()
 
 
 def int8_matmul(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None

@@ -103,9 +103,9 @@ static inline void int8_pair(const int8_t *src, uint16_t *dst) {
 #define AHEAD 4
 #define PF 4
 
-/* wg: the group's bf16 tiles, or (wq != NULL) its int8 tiles, converted a k block at a time into a scratch pair
- * of tiles in L1 (the conversion's vector work overlaps the tile products and the next block's reads); scale:
- * the group's column scales (int8) or NULL. */
+/* wg: the group's bf16 tiles, or (wq != NULL) its int8 tiles, converted AHEAD k blocks ahead into a ring of
+ * scratch tile pairs in L1 (the conversion's vector work overlaps the tile products and the next blocks' reads);
+ * scale: the weight's column scales (int8, also for a group run() converted whole) or NULL. */
 static inline void group_block(const uint16_t *x, const uint16_t *wg, const int8_t *wq, const float *scale,
                                uint16_t *y, int64_t m0, int rows0, int rows1, int64_t N, int64_t K, int64_t g) {
     const int64_t blocks = K / 32;
