@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.native import decode_attention, mask_extents
+from models.native import decode_attention, mask_extents, piece_attention
 
 ATTENTION = "bucketserve_sdpa"
 _registered = False
@@ -70,6 +70,7 @@ def segments(extents: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
 _LIB.define("attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor")
 _LIB.define("mixed_attention(Tensor query, Tensor key, Tensor value, Tensor meta, float scale) -> Tensor")
+_LIB.define("causal_attention(Tensor query, Tensor key, Tensor value, float scale) -> Tensor")
 
 
 def _extents(mask: torch.Tensor) -> tuple[tuple[int, ...], bool]:
@@ -172,6 +173,8 @@ def _mixed_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     for first, last, s0, ext, decoding in mixed_plan(meta.numpy().tobytes(), key.shape[0] - 1):
         if not decoding:  # a prompt piece: causal over its slot, offset by its first position
             p0, n = ext[0], last - first
+            if piece_attention(q[:, first:last], key[s0], value[s0], o[:, first:last], p0, scale):
+                continue
             k, v = key[s0 : s0 + 1, :, : p0 + n], value[s0 : s0 + 1, :, : p0 + n]
             res = F.scaled_dot_product_attention(q[None, :, first:last], k, v,
                                                  attn_mask=None if p0 == 0 else _piece_mask(p0, n, query.dtype),
@@ -192,10 +195,23 @@ def _mixed_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out
 
 
+def _causal_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill's attention: query [b, H, q, D], key/value [b, H_kv, q, D] (the rows' own positions 0..q-1);
+    query i attends keys [0, i]. Returns [b, H, q, D]."""
+    out = torch.empty_like(query)
+    for row in range(query.shape[0]):
+        if not piece_attention(query[row], key[row], value[row], out[row], 0, scale):
+            return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                                  enable_gqa=query.shape[1] != key.shape[1])
+    return out
+
+
 _LIB.impl("attention", _attention_cpu, "CPU")
+_LIB.impl("causal_attention", _causal_attention_cpu, "CPU")
 _LIB.impl("mixed_attention", _mixed_attention_cpu, "CPU")
 torch.library.register_fake("bucketserve::attention", _attention_fake, lib=_LIB)
 torch.library.register_fake("bucketserve::mixed_attention", _attention_fake, lib=_LIB)
+torch.library.register_fake("bucketserve::causal_attention", lambda q, k, v, scale: torch.empty_like(q), lib=_LIB)
 
 
 def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -216,6 +232,14 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     b, heads, q_len, dim = query.shape
     mask_ok = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1 \
         and attention_mask.is_floating_point()
+    if (attention_mask is None and is_causal is not False and getattr(module, "is_causal", True) and 1 < q_len
+            and key.shape[-2] == q_len and query.dtype == torch.bfloat16 and _on_cpu(query) and not dropout
+            and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None
+            and not q_len > (kwargs.get("sliding_window") or q_len)):
+        # a prefill (transformers leaves the causal mask to is_causal): the AMX kernel where it takes the shapes
+        scale = scaling if scaling is not None else dim ** -0.5
+        out = torch.ops.bucketserve.causal_attention(query, key, value, scale)
+        return out.transpose(1, 2).contiguous(), None
     if not mask_ok or kwargs.get("position_bias") is not None or dropout or (q_len != 1 and not _on_cpu(query)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)

@@ -46,7 +46,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c")
+SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
+           _CSRC / "piece_attention.c")
 HEADERS = (_CSRC / "vec16.h",)
 SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
 # Rows the AMX kernel takes (amx_matmul.c): 1.1x oneDNN at 128 rows, 0.96x at 256. One row stays with the small
@@ -142,6 +143,8 @@ def _load() -> None:
     lib.bucketserve_amx_matmul_bf16.restype = ctypes.c_int
     lib.bucketserve_amx_matmul_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.bucketserve_amx_matmul_q8.restype = ctypes.c_int
+    lib.bucketserve_piece_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, *[i64] * 11, ctypes.c_float, ctypes.c_int]
+    lib.bucketserve_piece_attention_bf16.restype = ctypes.c_int
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
                   matmul=bool(lib.bucketserve_small_matmul_supported()), amx=bool(lib.bucketserve_amx_supported()))
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
@@ -190,6 +193,30 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), slots.ctypes.data, extents.ctypes.data,
         rows, heads, groups, dim, key.stride(0), key.stride(1), scale, threads)
     return out if status == 0 else None
+
+
+def piece_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, start: int,
+                    scale: float) -> bool:
+    """A prompt piece's causal attention over its slot, into `out`: query and out [H, n, D] (views, D contiguous),
+    key/value [H_kv, C, D] (D contiguous: a slot's buffers, or a prefill's keys); token t (position start + t) attends
+    positions [0, start + t]. Returns False, leaving `out` alone, where the AMX kernel does not take the inputs
+    (the caller uses SDPA)."""
+    heads, n, dim = query.shape
+    kv_heads = key.shape[0]
+    if (query.dtype != torch.bfloat16 or key.dtype != query.dtype or value.dtype != query.dtype
+            or out.dtype != query.dtype or out.shape != query.shape or key.dim() != 3 or value.shape != key.shape
+            or key.shape[2] != dim or heads % kv_heads or dim % 32 or not 32 <= dim <= MAX_HEAD_DIM
+            or query.stride(2) != 1 or out.stride(2) != 1 or key.stride(2) != 1 or key.stride(1) < dim or key.stride(1) % 2
+            or value.stride() != key.stride() or not 0 <= start or start + n > key.shape[1] or n < 1
+            or not amx_available()):
+        return False
+    threads = _threads()
+    if threads is None:
+        return False
+    status: int = _lib().bucketserve_piece_attention_bf16(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), n, start, heads, kv_heads, dim,
+        query.stride(1), query.stride(0), out.stride(1), out.stride(0), key.stride(0), key.stride(1), scale, threads)
+    return status == 0
 
 
 def small_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -134,7 +134,7 @@ def test_mixed_step_decoding_rows_use_the_kernel(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(native._switch, "on", False)
     sdpa = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
     torch.testing.assert_close(ours.float(), sdpa.float(), rtol=1e-2, atol=1e-2)
-    assert torch.equal(ours[:, :, 2:], sdpa[:, :, 2:])  # the prompt piece and padding never take the kernel
+    assert not ours[:, :, 5:].any()  # padding (the prompt piece has a kernel of its own: test_piece_attention.py)
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (960, 576), (576, 1536)])
