@@ -228,7 +228,7 @@ class Scheduler:
         decoding = {slot: s for slot, s in self.running.items() if s.is_decoding}
         want_prefill = chunking is not None or (bool(self.waiting) and bool(free))
         if want_prefill and self.table.mixed_tokens and self.policy == "continuous" \
-                and (chunking is not None or bool(decoding)):
+                and (chunking is not None or bool(decoding) or self._solo_prompt(free)):
             return self._mixed(decoding, chunking, free)
         if self.policy == "static":
             # A batch forms (consecutive prefills) only while nothing decodes, then runs to completion.
@@ -313,9 +313,16 @@ class Scheduler:
         length = min(head.bucket, self.table.max_length)
         return PrefillStep(length, self.table.prefill_batch_for(len(group)), tuple(group))
 
+    def _solo_prompt(self, free: list[int]) -> bool:
+        """Nothing decodes and the next prompt is longer than the largest length bucket: a mixed step of the solo
+        budget (larger than a chunk) starts it, instead of a prefill of the first chunk."""
+        return bool(free and self.waiting) and self.waiting[0].prompt_len > self.table.max_length \
+            and self.table.solo_budget > self.table.mixed_budget
+
     def _mixed(self, decoding: dict[int, Sequence], chunking: Sequence | None, free: list[int]) -> MixedStep:
         decode = tuple(decoding[s] for s in sorted(decoding))
-        budget = self.table.mixed_budget - len(decode)
+        total = self.table.mixed_budget if decode else self.table.solo_budget  # no decoding row waits on it
+        budget = total - len(decode)
         pieces: list[Piece] = []
         if chunking is not None:
             n = min(budget, chunking.prompt_len - chunking.prefilled)
@@ -330,7 +337,7 @@ class Scheduler:
             pieces.append(Piece(seq, 0, n))
             budget -= n
         self._last_was_prefill = False  # decoding rows advanced in this step too
-        return MixedStep(self.table.mixed_for(self.table.mixed_budget - budget), decode, tuple(pieces))
+        return MixedStep(self.table.mixed_for(total - budget), decode, tuple(pieces))
 
     def _chunk(self, seq: Sequence) -> ChunkStep:
         c = self.table.chunk_length

@@ -108,7 +108,8 @@ class BucketTable:
     With `mixed_tokens` (token buckets; () = off), a step can carry every decoding row (one token each) and
     prompt tokens of new or partly prefilled requests together, packed on one token axis and padded to the
     smallest token bucket that holds them: one pass over the weights serves both (what vLLM schedules). Its
-    graph returns the logits of `max_batch` rows (a row per slot at most samples in one step)."""
+    graph returns the logits of `max_batch` rows (a row per slot at most samples in one step). With rows
+    decoding a step carries up to `mixed_budget` tokens; without, up to `solo_budget` (the largest bucket)."""
 
     lengths: tuple[int, ...]
     batch_sizes: tuple[int, ...] = (1,)
@@ -150,11 +151,11 @@ class BucketTable:
         object.__setattr__(self, "mixed_tokens", tuple(self.mixed_tokens))
         if self.mixed_tokens:
             _validate_sizes("mixed_tokens", self.mixed_tokens)
-            if self.mixed_tokens[-1] <= self.max_batch or self.mixed_tokens[-1] > self.context_length:
+            if self.mixed_budget <= self.max_batch or self.mixed_tokens[-1] > self.context_length:
                 raise BucketError(
-                    f"the largest mixed token bucket {self.mixed_tokens[-1]} must exceed the largest batch bucket "
-                    f"{self.max_batch} (every decoding row plus a prompt token) and fit the context "
-                    f"{self.context_length}"
+                    f"the mixed token budget {self.mixed_budget} must exceed the largest batch bucket "
+                    f"{self.max_batch} (every decoding row plus a prompt token), and the largest mixed token "
+                    f"bucket {self.mixed_tokens[-1]} fit the context {self.context_length}"
                 )
         if self.chunked_prefill and self.context_length % self.max_length:
             raise BucketError(
@@ -192,7 +193,17 @@ class BucketTable:
 
     @property
     def mixed_budget(self) -> int:
-        """Most tokens one mixed step carries (0: mixed steps off)."""
+        """Most tokens one mixed step carries while rows decode (0: mixed steps off): the largest token bucket
+        up to the chunk length (MIXED_TOKEN_BUDGET without chunking), so a decoding row waits about a chunk."""
+        cap = self.chunk_length or MIXED_TOKEN_BUDGET
+        within = [n for n in self.mixed_tokens if n <= cap]
+        return within[-1] if within else (self.mixed_tokens[0] if self.mixed_tokens else 0)
+
+    @property
+    def solo_budget(self) -> int:
+        """Most prompt tokens one mixed step carries when no row decodes (nobody waits on it): the largest token
+        bucket. Above the mixed budget, a long prompt at an idle server takes fewer, larger steps (each step
+        reads the weights once; matmuls of 1024 rows run faster per row than four of 256)."""
         return self.mixed_tokens[-1] if self.mixed_tokens else 0
 
     def mixed_for(self, tokens: int) -> int:
@@ -358,15 +369,25 @@ def default_kv_lengths(context_length: int) -> tuple[int, ...]:
 # Most tokens a mixed step carries when prompts are not chunked (else the chunk length): measured on the CPU,
 # 512 made no more output tokens/s than 256 and doubled the inter-token latency p99 (docs/performance.md).
 MIXED_TOKEN_BUDGET = 256
+# Most prompt tokens a mixed step carries when nothing decodes (the solo budget of the default table): a lone
+# 1024-token prompt in one step instead of four (docs/performance.md, "Solo steps").
+SOLO_TOKEN_BUDGET = 1024
 
 
 def default_mixed_tokens(table: BucketTable) -> tuple[int, ...]:
     """Token buckets for mixed steps: the length buckets up to the chunk length (up to MIXED_TOKEN_BUDGET when
-    prompts are not chunked: a mixed step cuts any prompt), so a step costs at most about one chunk; () when
-    they cannot hold every decoding row plus a prompt token."""
+    prompts are not chunked: a mixed step cuts any prompt), so a step with decoding rows costs at most about one
+    chunk; then doublings of that up to SOLO_TOKEN_BUDGET within the context, for steps without decoding rows.
+    () when they cannot hold every decoding row plus a prompt token."""
     cap = table.chunk_length or MIXED_TOKEN_BUDGET
     tokens = tuple(n for n in table.lengths if n <= cap)
-    return tokens if tokens and tokens[-1] > table.max_batch else ()
+    if not tokens or tokens[-1] <= table.max_batch:
+        return ()
+    solo = tokens[-1] * 2
+    while solo <= min(SOLO_TOKEN_BUDGET, table.context_length):
+        tokens += (solo,)
+        solo *= 2
+    return tokens
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.runner import ModelRunner, PrefillRow
+from models.runner import ModelRunner, PrefillRow, ShapeTable
 from models.sampling import Sampler, SamplingParams
 
 
@@ -18,6 +18,17 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length"
     prefill_seconds: float
     decode_seconds: list[float] = field(default_factory=list)
+
+
+def solo_pieces(table: ShapeTable, prompt_len: int, length_bucket: int) -> tuple[int, int]:
+    """How a lone prompt is prefilled, as the scheduler runs it: (tokens of its first piece, by the prefill graph
+    of its length bucket, 0 for none; tokens per later piece, in mixed steps where the table has them, else in
+    chunks). A prompt longer than the largest length bucket goes in mixed steps of the solo budget from its start
+    where that exceeds the mixed budget (buckets/scheduler.py)."""
+    if table.mixed_tokens and prompt_len > table.max_length and table.solo_budget > table.mixed_budget:
+        return 0, table.solo_budget
+    first = min(length_bucket, table.max_length)
+    return first, (table.mixed_budget if table.mixed_tokens else table.chunk_length or prompt_len)
 
 
 def generate_one(
@@ -35,10 +46,12 @@ def generate_one(
     prefill_rows = runner.table.prefill_batch_sizes[0]
     t0 = time.perf_counter()
     table = runner.table
-    first = min(length_bucket, table.max_length)
-    logits = runner.prefill([PrefillRow(0, prompt_ids[:first])], first, prefill_rows)
-    # The rest: mixed steps of up to the budget when the table has them (as the scheduler runs it), else chunks.
-    piece = table.mixed_tokens[-1] if table.mixed_tokens else table.chunk_length or len(prompt_ids)
+    # As the scheduler runs a lone prompt: a longer one than the largest length bucket in mixed steps of the solo
+    # budget where that exceeds a chunk; else its first chunk by the prefill graph, the rest in mixed steps of the
+    # mixed budget when the table has them, or in chunks.
+    first, piece = solo_pieces(table, len(prompt_ids), length_bucket)
+    if first:
+        logits = runner.prefill([PrefillRow(0, prompt_ids[:first])], first, prefill_rows)
     for offset in range(first, len(prompt_ids), piece):
         part = prompt_ids[offset : offset + piece]
         if table.mixed_tokens:

@@ -1,7 +1,7 @@
-"""Prompt processing on the default server table (bf16, one compute thread): a lone 1024-token prompt as the
-server runs it (a 256-token prefill, then mixed steps of 256 at positions 256 / 512 / 768), with prompt attention
-in the AMX kernel (models/csrc/piece_attention.c, the default) and in PyTorch's SDPA, alternated in one process
-(the graphs are the same: the attention ops choose at run time), plus one layer's attention alone.
+"""Prompt processing on the default server table (bf16, one compute thread): lone 512- and 1024-token prompts as
+pieces of 256 (a prefill, then mixed steps) and as one solo step (what the scheduler runs at an idle server), with
+prompt attention in the AMX kernel (models/csrc/piece_attention.c, the default) and in PyTorch's SDPA, alternated
+in one process (the graphs are the same: the attention ops choose at run time), plus one layer's attention alone.
 
 Usage: python scripts/bench_prompt.py [--rounds 3] [--repeats 5]. Writes results/bench-prompt.json and .md.
 """
@@ -49,16 +49,24 @@ def run(rounds: int, repeats: int, cache_dir: str) -> dict[str, Any]:
         return lambda: runner.mixed(256, ids[offset : offset + 256], list(range(offset, offset + 256)), [0] * 256,
                                     [255])
 
-    def prompt() -> None:
-        runner.prefill([PrefillRow(0, ids[:256])], 256, 1)
-        for offset in (256, 512, 768):
-            piece(offset)()
+    def pieces(n: int) -> Callable[[], object]:
+        def run() -> None:  # the first 256 by the prefill graph, the rest in mixed steps of 256
+            runner.prefill([PrefillRow(0, ids[:256])], 256, 1)
+            for offset in range(256, n, 256):
+                piece(offset)()
+        return run
+
+    def solo(n: int) -> Callable[[], object]:  # one mixed step of n tokens, nothing decoding
+        return lambda: runner.mixed(n, ids[:n], list(range(n)), [0] * n, [n - 1])
 
     cases: dict[str, Callable[[], object]] = {
         "prefill 256": lambda: runner.prefill([PrefillRow(0, ids[:256])], 256, 1),
         **{f"mixed 256 at {o}": piece(o) for o in (256, 512, 768)},
-        "prompt 1024": prompt,
+        "prompt 512 in pieces of 256": pieces(512),
+        "prompt 1024 in pieces of 256": pieces(1024),
     }
+    if runner.table.solo_budget >= 1024:  # the default table's solo steps (buckets/table.py)
+        cases |= {"prompt 512, one solo step": solo(512), "prompt 1024, one solo step": solo(1024)}
     modes = {"kernel": piece_attention, "sdpa": lambda *args: False}
     steps: dict[str, dict[str, list[float]]] = {m: {c: [] for c in cases} for m in modes}
     for _ in range(rounds):

@@ -8,7 +8,7 @@ import sys
 import time
 
 from buckets import GraphKey, PromptTooLongError
-from models.generator import generate_one
+from models.generator import generate_one, solo_pieces
 from models.mesh import MeshSpec
 from models.sampling import SamplingError, SamplingParams
 from server.compose import build_model
@@ -44,16 +44,16 @@ def _generate_lead(args: argparse.Namespace, settings: ServerSettings, mesh_spec
     table = model.table
     last_kv = table.kv_for(len(ids) + params.max_tokens)
     decode_keys = [GraphKey("decode", table.batch_sizes[0], kv) for kv in table.kv_lengths if kv <= last_kv]
-    # A prompt past the largest length bucket is prefilled in pieces: its first chunk, then mixed steps of up to
-    # the budget (the CPU default) or chunk graphs.
+    # A prompt past the largest length bucket is prefilled in pieces (solo_pieces: as the scheduler runs it): mixed
+    # steps of the solo budget from its start, or its first chunk then mixed steps or chunk graphs.
+    first, piece = solo_pieces(table, len(ids), bucket)
     chunked = bucket > table.max_length
     chunk_keys = [GraphKey("chunk", 1, kv) for kv in table.chunk_kv_lengths if kv <= last_kv] if chunked else []
     if chunked and table.mixed_tokens:
-        rest = range(table.max_length, len(ids), table.mixed_budget)
-        chunk_keys = sorted({GraphKey("mixed", table.max_batch, table.mixed_for(min(table.mixed_budget, len(ids) - o)))
-                             for o in rest})
-    prefill_key = GraphKey("prefill", table.prefill_batch_sizes[0], min(bucket, table.max_length))
-    model.load_and_warm([*decode_keys, *chunk_keys, prefill_key])
+        chunk_keys = sorted({GraphKey("mixed", table.max_batch, table.mixed_for(min(piece, len(ids) - o)))
+                             for o in range(first, len(ids), piece)})
+    prefill_keys = [GraphKey("prefill", table.prefill_batch_sizes[0], first)] if first else []
+    model.load_and_warm([*decode_keys, *chunk_keys, *prefill_keys])
     warm = time.monotonic() - t0
     assert model.runner is not None
     result = generate_one(model.runner, ids, params, bucket, model.eos_token_ids)

@@ -308,6 +308,56 @@ def test_prompts_ride_in_decode_steps_up_to_the_token_budget() -> None:
     assert isinstance(s.schedule(), DecodeStep)  # no prompt work left: a plain decode step
 
 
+# Token buckets past the chunk length (16): solo steps, run only while no row decodes.
+SOLO = BucketTable(lengths=(8, 16), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1,), context_length=128,
+                   chunked_prefill=True, mixed_tokens=(8, 16, 32, 64))
+
+
+def test_a_long_prompt_at_an_idle_server_takes_solo_steps() -> None:
+    assert (SOLO.mixed_budget, SOLO.solo_budget) == (16, 64)
+    s = Scheduler(SOLO)
+    s.add(seq("long", 100, max_tokens=8))
+    step = s.schedule()
+    # nothing decodes: a mixed step of the solo budget starts the prompt (no prefill of its first chunk)
+    assert isinstance(step, MixedStep) and step.tokens == 64 and not step.decode and not step.sampling_seqs
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("long", 0, 64)]
+    s.update(step, {})
+    step = s.schedule()  # still nothing decodes: the rest of the prompt in one more solo step
+    assert isinstance(step, MixedStep) and step.tokens == 64 and not step.decode
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("long", 64, 36)]
+    s.update(step, {"long": 7})
+    s.add_many([seq("short", 5), seq("next", 30)])
+    step = s.schedule()
+    # a row decodes now: the mixed budget of 16 again (1 decoding row + 5 + the first 10 of "next")
+    assert isinstance(step, MixedStep) and step.tokens == 16 and len(step.decode) == 1
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("short", 0, 5), ("next", 0, 10)]
+
+
+def test_short_prompts_at_an_idle_server_keep_their_prefill() -> None:
+    s = Scheduler(SOLO)
+    s.add_many([seq("a", 12), seq("b", 40)])
+    step = s.schedule()  # the head fits a length bucket: its own prefill, no token padding
+    assert isinstance(step, PrefillStep) and step.length == 16 and [q.request_id for q in step.seqs] == ["a"]
+
+
+def test_solo_workload_completes_fcfs_and_never_stalls_decoding_rows_past_the_budget() -> None:
+    rng = random.Random(2)
+    s = Scheduler(SOLO, max_waiting_requests=1000, max_waiting_tokens=10**6)
+    seqs = [seq(f"r{i}", rng.randint(1, 100), rng.randint(1, 12)) for i in range(50)]
+    solo_steps = []
+
+    def check(step: object) -> None:
+        if isinstance(step, MixedStep):
+            assert len(step.decode) + step.prompt_tokens <= step.tokens <= SOLO.solo_budget
+            if step.decode:
+                assert step.tokens <= SOLO.mixed_budget  # rows decode: one chunk at most
+            else:
+                solo_steps.append(step.tokens)
+
+    assert run_all(s, seqs, check) == [q.request_id for q in seqs]
+    assert solo_steps and max(solo_steps) > SOLO.mixed_budget
+
+
 def test_mixed_workload_completes_fcfs_with_every_token() -> None:
     rng = random.Random(1)
     s = Scheduler(MIXED, max_waiting_requests=1000, max_waiting_tokens=10**6)

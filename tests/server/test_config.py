@@ -24,7 +24,9 @@ def test_mixed_steps_are_on_by_default_on_the_cpu_only() -> None:
     assert parse([]).mixed_steps is True and parse(["--no-mixed-steps"]).mixed_steps is False
     assert parse([], {"BUCKETSERVE_MIXED_STEPS": "0"}).mixed_steps is False
     table = parse([]).bucket_table(2048)
-    assert table.mixed_tokens == (64, 128, 256) and table.chunk_kv_lengths == ()  # up to the chunk length
+    # up to the chunk length with rows decoding, then doublings up to 1024 for steps without (solo steps)
+    assert table.mixed_tokens == (64, 128, 256, 512, 1024) and table.chunk_kv_lengths == ()
+    assert (table.mixed_budget, table.solo_budget) == (256, 1024)
     assert GraphKey("mixed", 16, 256) in set(table.graph_keys())
     for off in (["--no-mixed-steps"], ["--batching", "static"], ["--device", "cuda"]):
         assert parse(off).bucket_table(2048).mixed_tokens == (), off
@@ -108,5 +110,9 @@ def test_mixed_tokens_of_a_buckets_file_apply_only_where_mixed_steps_run(tmp_pat
 
 def test_mixed_budget_is_capped_without_chunking() -> None:
     # no chunked prefill: length buckets up to 2048, mixed steps up to 256 tokens (they cut any prompt)
-    assert parse(["--prefill-chunk-size", "0"]).bucket_table(2048).mixed_tokens == (64, 128, 256)
-    assert parse(["--prefill-chunk-size", "512"]).bucket_table(2048).mixed_tokens == (64, 128, 256, 512)
+    unchunked = parse(["--prefill-chunk-size", "0"]).bucket_table(2048)
+    assert unchunked.mixed_tokens == (64, 128, 256, 512, 1024) and unchunked.mixed_budget == 256
+    chunk512 = parse(["--prefill-chunk-size", "512"]).bucket_table(2048)
+    assert chunk512.mixed_tokens == (64, 128, 256, 512, 1024) and chunk512.mixed_budget == 512
+    small = parse(["--max-model-len", "512"]).bucket_table(512)  # solo buckets stop at the context
+    assert small.mixed_tokens == (64, 128, 256, 512) and (small.mixed_budget, small.solo_budget) == (256, 512)
