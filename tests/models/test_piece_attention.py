@@ -5,8 +5,6 @@ take; mixed steps' prompt pieces and bf16 prefills use it, float32 keeps SDPA.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from models import native
 from models.attention import packed_sdpa, register
 from tests.models.test_attention import FakeAttention
+from tests.models.test_native_kernels import threads  # noqa: F401 (the fixture: 1 and 2 threads)
 
 needs_amx = pytest.mark.skipif(not native.amx_available(), reason="the kernel needs AMX (the CPU path falls back)")
 
@@ -27,19 +26,11 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sc
                                           attn_mask=seen, scale=scale, enable_gqa=q.shape[0] != k.shape[0])[0]
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @needs_amx
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 96)])
 @pytest.mark.parametrize(("start", "n"), [(0, 1), (0, 40), (5, 16), (17, 33), (100, 3), (64, 64)])
-def test_kernel_equals_float32_causal_attention(heads: int, kv_heads: int, dim: int, start: int, n: int,
-                                                threads: int) -> None:
+@pytest.mark.usefixtures("threads")  # 1 and 2 compute threads
+def test_kernel_equals_float32_causal_attention(heads: int, kv_heads: int, dim: int, start: int, n: int) -> None:
     torch.manual_seed(start * 7 + n + dim)
     context = 200
     k = torch.randn(kv_heads, context, dim).bfloat16()
