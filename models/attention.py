@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.native import decode_attention, mask_extents, piece_attention
+from models.native import decode_attention, decode_attention_masked, mask_extents, piece_attention
 
 ATTENTION = "bucketserve_sdpa"
 _registered = False
@@ -95,8 +95,12 @@ def _attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """query [b, H, q, D], key/value [b, H_kv, K, D] (H a multiple of H_kv), mask [b, 1, q, K] additive float
     (0 = attend; q may be 1 and broadcast over packed query heads). Returns [b, H, q, D]."""
     gqa = query.shape[1] != key.shape[1]
+    if mask.shape[2] == 1 and not gqa:  # decode (one query, heads packed [b, H_kv, G, D]): one C call
+        out = decode_attention_masked(query, key, value, mask, scale)
+        if out is not None:
+            return out
     extents, prefixes = _extents(mask)
-    if mask.shape[2] == 1 and not gqa and prefixes:  # decode (one query, heads packed [b, H_kv, G, D]), no window
+    if mask.shape[2] == 1 and not gqa and prefixes:  # the kernels' general entry (the call above declined)
         out = decode_attention(query, key, value, np.arange(len(extents)), np.asarray(extents), scale)
         if out is not None:
             return out

@@ -6,7 +6,8 @@ matmuls are opaque ops, and inductor runs silu and the product as a separate ker
 MLP calls `bucketserve::gated_silu(x, gate, up)` instead; where its matmuls run in oneDNN (prompt-sized steps),
 the gate's matmul applies swish in its epilogue and the up matmul multiplies by that in its own (oneDNN post-ops),
 so nothing is read or written twice (measured: 948 -> 757 us a layer at 256 rows). Smaller steps (decode, AMX or
-the small matmul) compute the same thing unfused: their elementwise work is a few microseconds a layer.
+the small matmul) run both matmuls, silu and the product in one C call (models/csrc/linear.c): their elementwise
+work is a few microseconds a layer, but as four PyTorch-level calls its Python cost was ~20 us a layer.
 
 Numerics: the fused epilogues apply swish to the fp32 sums before rounding to bf16, where eager rounds first (bf16
 outputs differ by a rounding step); only prepacked (bf16 / fp16) models are fused, so float32 stays the reference.
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from models.native import AMX_MAX_ROWS, SMALL_MATMUL_MAX_ROWS
+from models import native
+from models.native import AMX_MAX_ROWS, SMALL_MATMUL_MAX_ROWS, packed_gated
 from models.prepack import PrepackedLinear, linear_cpu, packed_for
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
@@ -38,11 +40,18 @@ def _gated_cpu(x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | No
     """x [..., in] -> silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias): [..., out]."""
     g, u = packed_for(gate, x), packed_for(up, x)
     rows = x.reshape(-1, x.shape[-1])
-    if g is not None and u is not None and _onednn_rows(rows.shape[0], g.amx is not None or g.int8 is not None):
-        rows = rows.contiguous()
-        act = torch.ops.mkldnn._linear_pointwise(rows, g.onednn, gate_bias, "swish", [], "")
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(rows, act, u.onednn, up_bias, "mul")
-        return out.view(*x.shape[:-1], up.shape[0])
+    if g is not None and u is not None:
+        if _onednn_rows(rows.shape[0], g.amx is not None or g.int8 is not None):
+            rows = rows.contiguous()
+            act = torch.ops.mkldnn._linear_pointwise(rows, g.onednn, gate_bias, "swish", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(rows, act, u.onednn, up_bias, "mul")
+            return out.view(*x.shape[:-1], up.shape[0])
+        kg, ku = g.kernel(rows.shape[0]), u.kernel(rows.shape[0])
+        if (kg is not None and ku is not None and gate_bias is None and up_bias is None and native.enabled()
+                and x.dtype is torch.bfloat16):
+            fused = packed_gated(x if x.is_contiguous() else x.contiguous(), kg, ku, up.shape[0])  # one C call
+            if fused is not None:
+                return fused
     return F.silu(linear_cpu(x, gate, gate_bias)) * linear_cpu(x, up, up_bias)
 
 

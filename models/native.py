@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
-           _CSRC / "piece_attention.c")
+           _CSRC / "piece_attention.c", _CSRC / "linear.c")
 HEADERS = (_CSRC / "vec16.h",)
 SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
 # Rows the AMX kernel takes (amx_matmul.c): 1.1x oneDNN at 128 rows, 0.96x at 256. One row stays with the small
@@ -145,6 +145,14 @@ def _load() -> None:
     lib.bucketserve_amx_matmul_q8.restype = ctypes.c_int
     lib.bucketserve_piece_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, *[i64] * 11, ctypes.c_float, ctypes.c_int]
     lib.bucketserve_piece_attention_bf16.restype = ctypes.c_int
+    lib.bucketserve_decode_attention_masked.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int,
+                                                        *[i64] * 7, ctypes.c_float, ctypes.c_int]
+    lib.bucketserve_decode_attention_masked.restype = ctypes.c_int
+    lib.bucketserve_linear_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    lib.bucketserve_linear_bf16.restype = ctypes.c_int
+    lib.bucketserve_gated_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int,
+                                           ctypes.c_int]
+    lib.bucketserve_gated_bf16.restype = ctypes.c_int
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
                   matmul=bool(lib.bucketserve_small_matmul_supported()), amx=bool(lib.bucketserve_amx_supported()))
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
@@ -192,6 +200,31 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     status = _lib().bucketserve_decode_attention_bf16(
         q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), slots.ctypes.data, extents.ctypes.data,
         rows, heads, groups, dim, key.stride(0), key.stride(1), scale, threads)
+    return out if status == 0 else None
+
+
+def decode_attention_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                            scale: float) -> torch.Tensor | None:
+    """decode_attention with row r on slot r and its extent read from mask row r by the kernel: mask [R, 1, 1, K]
+    additive (0 bits = attend). One C call a layer: the per-layer numpy bookkeeping of the general path cost more
+    than the kernel at one row. None where the kernel does not take the inputs, or a row does not attend exactly a
+    non-empty prefix of its slot (the caller then takes the general path, which handles both)."""
+    rows, heads, groups, dim = query.shape
+    if (query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16
+            or mask.dim() != 4 or mask.shape[0] != rows or mask.shape[2] != 1 or mask.stride(3) != 1
+            or key.shape[0] < rows or key.shape[1] != heads or key.shape[3] != dim or value.shape != key.shape
+            or value.stride() != key.stride() or key.stride(3) != 1 or key.stride(2) != dim
+            or not 1 <= groups <= MAX_GROUPS or dim % 16 or not 16 <= dim <= MAX_HEAD_DIM or not available()):
+        return None
+    threads = _threads()
+    if threads is None:
+        return None
+    q = query.contiguous()
+    out = torch.empty_like(q)
+    status: int = _lib().bucketserve_decode_attention_masked(
+        q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), mask.data_ptr(), mask.stride(0),
+        mask.shape[3], mask.element_size(), rows, heads, groups, dim, key.stride(0), key.stride(1), key.shape[2],
+        scale, threads)
     return out if status == 0 else None
 
 
@@ -276,6 +309,49 @@ def amx_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
             or packed.dim() != 6 or packed.shape[1] * 32 != k or not packed.is_contiguous() or not amx_available()):
         return None
     return _matmul(_lib().bucketserve_amx_matmul_bf16, rows, packed, packed.shape[0] * 32, bias)
+
+
+def small_matmul_takes(weight: torch.Tensor) -> bool:
+    """small_matmul can read this weight as it is: [N, K] bf16, contiguous, K a multiple of 32, N of 16."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0 and available() and bool(_state["matmul"]))
+
+
+# (kind, weight copy's address, scales' address or 0): what linear.c's entries read. kind 0: the small matmul on
+# the plain weight; 1: the AMX matmul on the tile copy (amx_pack); 2: the int8 tile copy and its scales (int8_pack)
+Kernel = tuple[int, int, int]
+SMALL, AMX, AMX_INT8 = 0, 1, 2
+
+
+def packed_linear(x: torch.Tensor, kernel: Kernel, n: int) -> torch.Tensor | None:
+    """x [..., K] bf16 contiguous @ the weight `kernel` reads (chosen once per weight by models/prepack.py) ->
+    [..., N] bf16; None when the kernel declines (the caller uses oneDNN). The lean path: the C side checks the
+    shapes; the output is made in its final shape (a reshape and a view cost ~2 us of a ~10 us one-row call)."""
+    threads = _threads()
+    if threads is None:
+        return None
+    k = x.shape[-1]
+    out = x.new_empty((*x.shape[:-1], n))
+    kind, w, s = kernel
+    if _lib().bucketserve_linear_bf16(x.data_ptr(), w, s, out.data_ptr(), x.numel() // k, n, k, kind, threads):
+        return None
+    return out
+
+
+def packed_gated(x: torch.Tensor, gate: Kernel, up: Kernel, n: int) -> torch.Tensor | None:
+    """silu(x @ gate.T) * (x @ up.T) -> [..., N] bf16 in one call, x [..., K] bf16 contiguous, both weights read by
+    the same kind of kernel; each matmul, silu and the product rounded to bf16 as eager does. None when the kernel
+    declines."""
+    threads = _threads()
+    if threads is None or gate[0] != up[0]:
+        return None
+    k = x.shape[-1]
+    out = x.new_empty((*x.shape[:-1], n))
+    scratch = x.new_empty((*x.shape[:-1], n))
+    if _lib().bucketserve_gated_bf16(x.data_ptr(), gate[1], gate[2], up[1], up[2], out.data_ptr(),
+                                     scratch.data_ptr(), x.numel() // k, n, k, gate[0], threads):
+        return None
+    return out
 
 
 def int8_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -12,7 +12,9 @@ a shape the op does not know) takes the plain `F.linear`: same result, just slow
 Steps of one row take bucketserve's own matmul on the plain weight instead, and steps of 2-128 rows its AMX
 matmul on a third copy in the tiles' layout, made here when the CPU has AMX (models/native.py: 1.1-1.4x oneDNN
 there: decode steps are memory-bound and oneDNN streams their weights at ~7 GB/s of one core's ~12); 1-4 rows
-take the small matmul where there is no AMX. Larger steps (prompts) stay with oneDNN.
+take the small matmul where there is no AMX. Larger steps (prompts) stay with oneDNN. Which kernel and copy each
+step size reads is chosen once per weight (`Packed.kernel`), and the op calls it through one lean C entry
+(models/csrc/linear.c): the per-call Python of choosing and checking cost ~2 us of a ~10 us one-row linear.
 
 With `--quantize int8` the AMX copy is replaced by a weight-only int8 one (per output column, symmetric), which
 steps of 1-128 rows read instead (one row included): decode is bound by reading the weights, and int8 halves them.
@@ -37,15 +39,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import native
 from models.compile import QUANTIZE_MODES
 from models.native import (
+    AMX,
+    AMX_INT8,
+    AMX_MAX_ROWS,
+    SMALL,
     SMALL_MATMUL_MAX_ROWS,
+    Kernel,
     amx_available,
-    amx_matmul,
     amx_pack,
-    int8_matmul,
     int8_pack,
-    small_matmul,
+    packed_linear,
+    small_matmul_takes,
 )
 
 
@@ -54,6 +61,28 @@ class Packed(NamedTuple):
     onednn: torch.Tensor  # oneDNN's blocked copy (prompt-sized steps)
     amx: torch.Tensor | None  # the AMX kernel's bf16 copy (steps of 2-128 rows), or None
     int8: tuple[torch.Tensor, torch.Tensor] | None  # --quantize int8: (q, scale) for steps of 1-128 rows, or None
+    one: Kernel | None  # what a one-row step reads (native.packed_linear), or None: oneDNN
+    few: Kernel | None  # what steps of 2..few_max rows read, or None: oneDNN
+    few_max: int
+
+    def kernel(self, rows: int) -> Kernel | None:
+        """The native kernel for a step of `rows` rows, or None: oneDNN (chosen once, at packing)."""
+        return self.one if rows == 1 else self.few if rows <= self.few_max else None
+
+
+def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str) -> Packed:
+    """The copies of `weight` (oneDNN's, and the AMX or int8 tiles) and which kernel each step size reads: int8
+    (1-128 rows) where quantized, else the small matmul for one row (and 2-4 without AMX) and AMX for 2-128."""
+    q8 = int8_pack(weight) if quantize == "int8" else None
+    amx = amx_pack(weight) if q8 is None else None
+    small: Kernel | None = (SMALL, weight.data_ptr(), 0) if small_matmul_takes(weight) else None
+    if q8 is not None:
+        tiles: Kernel = (AMX_INT8, q8[0].data_ptr(), q8[1].data_ptr())
+        return Packed(weight.shape, onednn, None, q8, tiles, tiles, AMX_MAX_ROWS)
+    if amx is not None:
+        return Packed(weight.shape, onednn, amx, None, small or (AMX, amx.data_ptr(), 0), (AMX, amx.data_ptr(), 0),
+                      AMX_MAX_ROWS)
+    return Packed(weight.shape, onednn, None, None, small, small, SMALL_MATMUL_MAX_ROWS)
 
 
 # weight's address -> its packed copies
@@ -79,17 +108,14 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     entry = packed_for(weight, x)
     if entry is None:
         return F.linear(x, weight, bias)
+    kernel = entry.kernel(x.numel() // x.shape[-1]) if x.dtype is torch.bfloat16 and native.enabled() else None
+    if kernel is not None:
+        out = packed_linear(x if x.is_contiguous() else x.contiguous(), kernel, entry.shape[0])
+        if out is not None:
+            return out if bias is None else out.add_(bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # oneDNN takes [rows, in]
-    out = None
-    if entry.int8 is not None:
-        out = int8_matmul(rows, *entry.int8, bias)
-    elif entry.amx is not None:
-        out = amx_matmul(rows, entry.amx, bias)
-    if out is None and entry.int8 is None and rows.shape[0] <= SMALL_MATMUL_MAX_ROWS:
-        out = small_matmul(rows, weight, bias)
-    if out is None:
-        out = torch.ops.mkldnn._linear_pointwise(rows, entry.onednn, bias, "none", [], "")
-    return out.view(*x.shape[:-1], weight.shape[0])
+    dense: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, entry.onednn, bias, "none", [], "")
+    return dense.view(*x.shape[:-1], weight.shape[0])
 
 
 def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -138,8 +164,7 @@ def prepack(model: nn.Module, quantize: str = "none") -> int:
                 entry = _PACKED.get(key)
                 if entry is None or (quantize == "int8") != (entry.int8 is not None):
                     onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if entry is None else entry.onednn
-                    q8 = int8_pack(weight) if quantize == "int8" else None
-                    _PACKED[key] = Packed(weight.shape, onednn, amx_pack(weight) if q8 is None else None, q8)
+                    _PACKED[key] = _packed(weight, onednn, quantize)
                     if entry is None:
                         weakref.finalize(module.weight, _forget, key)
             module.__class__ = PrepackedLinear

@@ -17,19 +17,6 @@
 #define MAX_C 16 /* 16-lane chunks of one head: D <= 256 */
 #define AHEAD 32 /* positions prefetched ahead: K/V rows of a slot sit in 4 KiB pages the prefetcher stops at */
 
-static inline v16f load_bf16(const uint16_t *p) {
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16f f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline v16f splat(float x) { return (v16f){0} + x; }
-
-static inline v16f vselect(v16i mask, v16f yes, v16f no) { return (v16f)(((v16i)yes & mask) | ((v16i)no & ~mask)); }
-
 static inline float hsum(v16f v) {
     v += __builtin_shuffle(v, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
     v += __builtin_shuffle(v, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
@@ -42,26 +29,6 @@ static inline float hmax(v16f v) {
     float m = v[0];
     for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
     return m;
-}
-
-/* exp(x) for x <= 0 (scores minus their running max), relative error ~1e-7; below -87 it is ~1e-38. */
-static inline v16f vexp(v16f x) {
-    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
-    v16f t = x * 1.44269504088896341f;
-    v16i n = __builtin_convertvector(t - 0.5f, v16i); /* round(t) for t <= 0 */
-    v16f nf = __builtin_convertvector(n, v16f);
-    v16f r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
-    v16f p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v16i e = (n + 127) << 23;
-    v16f scale;
-    memcpy(&scale, &e, sizeof scale);
-    return p * scale;
 }
 
 /* One (row, KV head): G queries over n positions, 16 positions a block. Inlined with constant G and D where
@@ -198,4 +165,27 @@ int bucketserve_decode_attention_bf16(const uint16_t *q, const uint16_t *k, cons
             one_head(qb, k + base, v + base, ob, ext[r], G, D, scale);
     }
     return 0;
+}
+
+/* Decode attention read straight from the step's additive mask (one call a layer instead of a mask scan, numpy
+ * bookkeeping and the kernel): row r attends slot r's positions [0, ext[r]) where ext comes from mask row r
+ * (`mask_stride` elements apart, `cols` wide, `width` bytes an element). Returns 0; 1 when a row does not attend
+ * exactly a non-empty prefix (a sliding window, a hole: the caller takes the general path); -1 for shapes the
+ * kernel does not take. */
+#define MASKED_MAX_ROWS 1024
+int bucketserve_decode_attention_masked(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                                        const void *mask, int64_t mask_stride, int64_t cols, int width,
+                                        int64_t rows, int64_t heads, int64_t groups, int64_t dim, int64_t s_slot,
+                                        int64_t s_head, int64_t positions, float scale, int threads) {
+    if (rows < 1 || rows > MASKED_MAX_ROWS || cols > positions) return -1;
+    int64_t ext[MASKED_MAX_ROWS], slots[MASKED_MAX_ROWS];
+    int prefix = bucketserve_mask_extents(mask, rows, cols, mask_stride, width, ext);
+    if (prefix < 0) return -1;
+    if (prefix == 0) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        if (ext[r] < 1) return 1;
+        slots[r] = r;
+    }
+    return bucketserve_decode_attention_bf16(q, k, v, out, slots, ext, rows, heads, groups, dim, s_slot, s_head,
+                                             scale, threads);
 }

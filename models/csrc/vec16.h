@@ -35,4 +35,47 @@ static inline v16f reduce16(const v16f *a) {
          + __builtin_shuffle(d[0], d[1], (v16i){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
+/* 16 bf16 values -> fp32 lanes (bf16 is the top half of an fp32). */
+static inline v16f load_bf16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline v16f splat(float x) { return (v16f){0} + x; }
+
+static inline v16f vselect(v16i mask, v16f yes, v16f no) { return (v16f)(((v16i)yes & mask) | ((v16i)no & ~mask)); }
+
+/* exp(x) for x <= 0 (scores minus their running max), relative error ~1e-7; below -87 it is ~1e-38. */
+static inline v16f vexp(v16f x) {
+    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
+    v16f t = x * 1.44269504088896341f;
+    v16i n = __builtin_convertvector(t - 0.5f, v16i); /* round(t) for t <= 0 */
+    v16f nf = __builtin_convertvector(n, v16f);
+    v16f r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
+    v16f p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v16i e = (n + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+/* 16 fp32 lanes -> bf16 bits, each rounded to nearest even (as to_bf16). */
+static inline void store_bf16(uint16_t *p, v16f f) {
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    v16h h = __builtin_convertvector(u >> 16, v16h);
+    memcpy(p, &h, sizeof h);
+}
+
 #endif

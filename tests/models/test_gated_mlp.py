@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from buckets import BucketTable, GraphKey
+from models import native
 from models.compile import CompileSettings
 from models.gated_mlp import GatedSiLUMLP, fuse_gated_mlps
 from models.loading import load_model
@@ -30,6 +31,37 @@ def test_the_op_computes_silu_gate_times_up(rows: int, bias: bool) -> None:
     got = torch.ops.bucketserve.gated_silu(x, gate.weight, gate.bias, up.weight, up.bias)
     assert got.shape == (1, rows, 96) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 128])
+def test_decode_sized_steps_take_one_native_call_rounded_as_eager(monkeypatch: pytest.MonkeyPatch, rows: int,
+                                                                  quantize: str) -> None:
+    """Steps of 1-128 rows (no biases) run both matmuls, silu and the product in one C call (native.packed_gated),
+    rounded as the unfused eager ops round (each to bf16): equal but for the rare element where the kernel's exp
+    and PyTorch's land on two sides of a bf16 rounding boundary (one step apart)."""
+    if not native.available() or (quantize == "int8" and not native.amx_available()):
+        pytest.skip("needs the native kernels (int8: AMX)")
+    torch.manual_seed(rows)
+    layers = nn.ModuleDict({"gate": nn.Linear(576, 1536, bias=False), "up": nn.Linear(576, 1536, bias=False)})
+    layers = layers.bfloat16().requires_grad_(False)
+    prepack(layers, quantize)
+    gate, up = layers["gate"], layers["up"]
+    x = torch.randn(rows, 1, 576).bfloat16()
+    calls: list[int] = []
+    real = native.packed_gated
+
+    def counted(*args: object) -> torch.Tensor | None:
+        out = real(*args)  # type: ignore[arg-type]
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr("models.gated_mlp.packed_gated", counted)
+    got = torch.ops.bucketserve.gated_silu(x, gate.weight, None, up.weight, None)
+    assert calls == [True] and got.shape == (rows, 1, 1536) and got.dtype == torch.bfloat16
+    want = nn.functional.silu(gate(x)) * up(x)  # the same kernels' matmuls, then eager silu and product
+    assert (got != want).float().mean() < 2e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-3)  # one bf16 step at most
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -5,7 +5,7 @@ serves with logits close to bf16's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -105,16 +105,15 @@ def test_quantized_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     assert entry.int8 is not None and entry.amx is None  # the int8 copy replaces the bf16 AMX copy
     deq = _dequantized(*entry.int8)
     taken: list[int] = []
+    real = native.packed_linear
 
-    def counted(real: Callable[..., torch.Tensor | None]) -> Callable[..., torch.Tensor | None]:
-        def call(rows: torch.Tensor, *args: torch.Tensor | None) -> torch.Tensor | None:
-            out = real(rows, *args)
-            if out is not None:
-                taken.append(rows.shape[0])
-            return out
-        return call
+    def counted(x: torch.Tensor, kernel: native.Kernel, n: int) -> torch.Tensor | None:
+        out = real(x, kernel, n)
+        if out is not None and kernel[0] == native.AMX_INT8:
+            taken.append(x.numel() // x.shape[-1])
+        return out
 
-    monkeypatch.setattr("models.prepack.int8_matmul", counted(native.int8_matmul))
+    monkeypatch.setattr("models.prepack.packed_linear", counted)
     for rows in (1, 4, 128, 129):
         x = torch.randn(rows, 1, 64).bfloat16()
         if rows <= 128:

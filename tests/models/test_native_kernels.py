@@ -89,16 +89,21 @@ def _decode_mask(extents: list[int], context: int) -> torch.Tensor:
 
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Each call the attention ops make to the kernel: whether it ran (True) or declined (False)."""
+    """Each call the attention ops make to the decode kernel (either entry): whether it ran (True) or declined
+    (False)."""
     calls: list[bool] = []
-    real = native.decode_attention
 
-    def counted(*args: object) -> torch.Tensor | None:
-        out = real(*args)  # type: ignore[arg-type]
-        calls.append(out is not None)
-        return out
+    def counting(name: str) -> Callable[..., torch.Tensor | None]:
+        real = getattr(native, name)
 
-    monkeypatch.setattr("models.attention.decode_attention", counted)
+        def counted(*args: object) -> torch.Tensor | None:
+            out: torch.Tensor | None = real(*args)
+            calls.append(out is not None)
+            return out
+        return counted
+
+    for name in ("decode_attention", "decode_attention_masked"):
+        monkeypatch.setattr(f"models.attention.{name}", counting(name))
     return calls
 
 
@@ -110,12 +115,35 @@ def test_decode_step_attention_uses_the_kernel_and_matches_sdpa(monkeypatch: pyt
     q = torch.randn(4, kv * groups, 1, dim).to(torch.bfloat16)
     k, v = _poisoned_cache(4, kv, context, dim, dict(enumerate(extents)))
     ours, _ = packed_sdpa(FakeAttention(), q, k, v, _decode_mask(extents, context), scaling=dim ** -0.5)
-    assert kernel_calls == [True] and torch.isfinite(ours).all()
+    assert kernel_calls == [True] and torch.isfinite(ours).all()  # one call: the entry that reads the mask
     monkeypatch.setitem(native._switch, "on", False)
     clean_k, clean_v = torch.nan_to_num(k), torch.nan_to_num(v)
     sdpa, _ = packed_sdpa(FakeAttention(), q, clean_k, clean_v, _decode_mask(extents, context), scaling=dim ** -0.5)
-    assert kernel_calls == [True, False]
+    assert kernel_calls == [True, False, False]  # both entries declined: SDPA
     torch.testing.assert_close(ours.float(), sdpa.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("width", [torch.bfloat16, torch.float32])
+def test_masked_entry_reads_extents_from_the_mask(width: torch.dtype, threads: int) -> None:
+    """decode_attention_masked == decode_attention with row r on slot r and the mask's extents; it declines
+    (None) where a row's visible positions are not a non-empty prefix, which the general path then handles."""
+    torch.manual_seed(3)
+    kv, groups, dim, context = 3, 3, 64, 96
+    extents = [1, 16, 17, 95, 40]
+    q = torch.randn(len(extents), kv, groups, dim).to(torch.bfloat16)
+    k, v = _poisoned_cache(len(extents) + 1, kv, context, dim, dict(enumerate(extents)))
+    mask = _decode_mask(extents, 80 if max(extents) <= 80 else context).to(width)
+    got = native.decode_attention_masked(q, k, v, mask, dim ** -0.5)
+    want = native.decode_attention(q, k, v, np.arange(len(extents)), np.array(extents), dim ** -0.5)
+    assert got is not None and want is not None and torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    window = mask.clone()
+    window[3, ..., :10] = float("-inf")  # row 3 sees [10, 95): not a prefix
+    assert native.decode_attention_masked(q, k, v, window, dim ** -0.5) is None
+    empty = mask.clone()
+    empty[0] = float("-inf")  # row 0 sees nothing
+    assert native.decode_attention_masked(q, k, v, empty, dim ** -0.5) is None
+    assert native.decode_attention_masked(q.float(), k.float(), v.float(), mask, dim ** -0.5) is None
 
 
 def test_mixed_step_decoding_rows_use_the_kernel(monkeypatch: pytest.MonkeyPatch, kernel_calls: list[bool]) -> None:
@@ -171,17 +199,16 @@ def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     plain = {rows: torch.nn.functional.linear(x, layer.weight) for rows, x in inputs.items()}
     prepack(layer)
     taken: list[tuple[str, int]] = []
+    names = {native.SMALL: "small", native.AMX: "amx", native.AMX_INT8: "int8"}
+    real = native.packed_linear
 
-    def counted(name: str, real: Callable[..., torch.Tensor | None]) -> Callable[..., torch.Tensor | None]:
-        def call(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-            out = real(rows, weight, bias)
-            if out is not None:
-                taken.append((name, rows.shape[0]))
-            return out
-        return call
+    def counted(x: torch.Tensor, kernel: native.Kernel, n: int) -> torch.Tensor | None:
+        out = real(x, kernel, n)
+        if out is not None:
+            taken.append((names[kernel[0]], x.numel() // x.shape[-1]))
+        return out
 
-    monkeypatch.setattr("models.prepack.small_matmul", counted("small", native.small_matmul))
-    monkeypatch.setattr("models.prepack.amx_matmul", counted("amx", native.amx_matmul))
+    monkeypatch.setattr("models.prepack.packed_linear", counted)
     for rows, x in inputs.items():
         torch.testing.assert_close(layer(x), plain[rows], rtol=1e-2, atol=1e-2)
     if native.small_matmul(inputs[1][0], layer.weight) is None:
@@ -269,7 +296,7 @@ def test_sliding_window_rows_keep_sdpa(kernel_calls: list[bool]) -> None:
     seen = (pos < ext) & (pos >= ext - window)
     mask = torch.where(seen, 0.0, float("-inf")).to(torch.bfloat16).view(2, 1, 1, context)
     ours, _ = packed_sdpa(FakeAttention(), q, k, v, mask, scaling=dim ** -0.5)
-    assert kernel_calls == []
+    assert kernel_calls == [False]  # the mask-reading entry declines; the general one is not asked
     packed = q.reshape(2, kv, groups, dim).float()
     want = torch.cat([F.scaled_dot_product_attention(packed[r : r + 1], k[r : r + 1, :, e - min(e, window) : e].float(),
                                                      v[r : r + 1, :, e - min(e, window) : e].float(), scale=dim ** -0.5)
