@@ -38,7 +38,6 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -262,7 +261,7 @@ def small_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             or weight.dim() != 2 or weight.shape[1] != k or k % 32 or n % 16 or not weight.is_contiguous()
             or not available() or not _state["matmul"]):
         return None
-    return _matmul(_lib().bucketserve_small_matmul_bf16, rows, weight, n, bias)
+    return _checked(rows, (SMALL, weight.data_ptr(), 0), n, bias)
 
 
 def mask_extents(rows: torch.Tensor) -> tuple[tuple[int, ...], bool] | None:
@@ -308,7 +307,7 @@ def amx_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if (not AMX_MIN_ROWS <= m <= AMX_MAX_ROWS or rows.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16
             or packed.dim() != 6 or packed.shape[1] * 32 != k or not packed.is_contiguous() or not amx_available()):
         return None
-    return _matmul(_lib().bucketserve_amx_matmul_bf16, rows, packed, packed.shape[0] * 32, bias)
+    return _checked(rows, (AMX, packed.data_ptr(), 0), packed.shape[0] * 32, bias)
 
 
 def small_matmul_takes(weight: torch.Tensor) -> bool:
@@ -377,23 +376,14 @@ def int8_matmul(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: 
             or q.shape[1] * 32 != k or not q.is_contiguous() or scale.dtype != torch.float32
             or scale.shape != (n,) or not scale.is_contiguous() or not amx_available()):
         return None
-    kernel, s = _lib().bucketserve_amx_matmul_q8, scale.data_ptr()
-    return _matmul(lambda x, w, y, *dims: kernel(x, w, s, y, *dims), rows, q, n, bias)
+    return _checked(rows, (AMX_INT8, q.data_ptr(), scale.data_ptr()), n, bias)
 
 
-def _matmul(kernel: Any, rows: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None
-            ) -> torch.Tensor | None:
-    """rows [M, K] x the weight (plain [N, K] or AMX-packed) through `kernel(x, w, y, M, N, K, threads)` -> [M, N]
-    bf16 (+ bias), or None when it declines."""
-    threads = _threads()
-    if threads is None:
-        return None
-    m, k = rows.shape
-    x = rows.contiguous()
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    if kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, threads) != 0:
-        return None
-    return out if bias is None else out.add_(bias)
+def _checked(rows: torch.Tensor, kernel: Kernel, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The checked entries above (small_matmul, amx_matmul, int8_matmul: kernel tests and direct callers) after
+    their checks: packed_linear (+ bias)."""
+    out = packed_linear(rows.contiguous(), kernel, n)
+    return out if out is None or bias is None else out.add_(bias)
 
 
 def _lib() -> ctypes.CDLL:
