@@ -175,16 +175,23 @@ def _threads() -> int | None:
     return None if threads > 1 and not _state["parallel"] else threads
 
 
+def _decode_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """decode_attention.c takes these layouts: query [R, H_kv, G, D] bf16, key/value [S, H_kv, C, D] bf16 with the
+    same strides, positions contiguous, G <= MAX_GROUPS, D a multiple of 16 up to MAX_HEAD_DIM."""
+    _, heads, groups, dim = query.shape
+    return not (query.dtype != torch.bfloat16 or key.dtype != query.dtype or value.dtype != query.dtype
+                or key.shape[1] != heads or key.shape[3] != dim or value.shape != key.shape
+                or value.stride() != key.stride() or key.stride(3) != 1 or key.stride(2) != dim
+                or not 1 <= groups <= MAX_GROUPS or dim % 16 or not 16 <= dim <= MAX_HEAD_DIM)
+
+
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: np.ndarray,
                      extents: np.ndarray, scale: float) -> torch.Tensor | None:
     """query [R, H_kv, G, D] (the G query heads of each KV head packed); key/value: slot buffers [S, H_kv, C, D]
     (positions contiguous); row r attends positions [0, extents[r]) of slot slots[r] (int64 arrays [R]).
     Returns [R, H_kv, G, D], or None when the kernel does not take these inputs (the caller uses SDPA)."""
     rows, heads, groups, dim = query.shape
-    if (query.dtype != torch.bfloat16 or key.dtype != query.dtype or value.dtype != query.dtype
-            or key.shape[1] != heads or key.shape[3] != dim or value.shape != key.shape
-            or value.stride() != key.stride() or key.stride(3) != 1 or key.stride(2) != dim
-            or not 1 <= groups <= MAX_GROUPS or dim % 16 or not 16 <= dim <= MAX_HEAD_DIM):
+    if not _decode_takes(query, key, value):
         return None
     if (len(slots) != rows or len(extents) != rows or (rows and (slots.min() < 0 or slots.max() >= key.shape[0]
             or extents.min() < 1 or extents.max() > key.shape[2]))):
@@ -209,11 +216,8 @@ def decode_attention_masked(query: torch.Tensor, key: torch.Tensor, value: torch
     than the kernel at one row. None where the kernel does not take the inputs, or a row does not attend exactly a
     non-empty prefix of its slot (the caller then takes the general path, which handles both)."""
     rows, heads, groups, dim = query.shape
-    if (query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16
-            or mask.dim() != 4 or mask.shape[0] != rows or mask.shape[2] != 1 or mask.stride(3) != 1
-            or key.shape[0] < rows or key.shape[1] != heads or key.shape[3] != dim or value.shape != key.shape
-            or value.stride() != key.stride() or key.stride(3) != 1 or key.stride(2) != dim
-            or not 1 <= groups <= MAX_GROUPS or dim % 16 or not 16 <= dim <= MAX_HEAD_DIM or not available()):
+    if (mask.dim() != 4 or mask.shape[0] != rows or mask.shape[2] != 1 or mask.stride(3) != 1
+            or key.shape[0] < rows or not _decode_takes(query, key, value) or not available()):
         return None
     threads = _threads()
     if threads is None:
@@ -256,12 +260,10 @@ def small_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     the kernel does not take these inputs (no AVX512-BF16, K not a multiple of 32, N of 16, ...): the caller
     uses oneDNN."""
     m, k = rows.shape
-    n = weight.shape[0]
-    if (not 0 < m <= SMALL_MATMUL_MAX_ROWS or rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or weight.dim() != 2 or weight.shape[1] != k or k % 32 or n % 16 or not weight.is_contiguous()
-            or not available() or not _state["matmul"]):
+    if (not 0 < m <= SMALL_MATMUL_MAX_ROWS or rows.dtype != torch.bfloat16 or not small_matmul_takes(weight)
+            or weight.shape[1] != k):
         return None
-    return _checked(rows, (SMALL, weight.data_ptr(), 0), n, bias)
+    return _checked(rows, (SMALL, weight.data_ptr(), 0), weight.shape[0], bias)
 
 
 def mask_extents(rows: torch.Tensor) -> tuple[tuple[int, ...], bool] | None:

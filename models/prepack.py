@@ -67,7 +67,7 @@ class Packed(NamedTuple):
 
     def kernel(self, rows: int) -> Kernel | None:
         """The native kernel for a step of `rows` rows, or None: oneDNN (chosen once, at packing)."""
-        return self.one if rows == 1 else self.few if rows <= self.few_max else None
+        return self.one if rows == 1 else self.few if 1 < rows <= self.few_max else None
 
 
 def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str) -> Packed:
