@@ -33,6 +33,29 @@ static inline float hmax(v16f v) {
     return m;
 }
 
+/* The first AHEAD positions of a head's K and V (nothing prefetched them yet). */
+static inline void prefetch_head(const uint16_t *kb, const uint16_t *vb, int64_t n, int64_t D) {
+    for (int64_t p = 0; p < AHEAD && p < n; p++) {
+        __builtin_prefetch(kb + p * D);
+        __builtin_prefetch(kb + p * D + 32);
+        __builtin_prefetch(vb + p * D);
+        __builtin_prefetch(vb + p * D + 32);
+    }
+}
+
+/* One block of the online softmax: s holds a block's scores (lanes past `live` ignored). Updates the running max
+ * *m and sum *l, sets *alpha (what the accumulated values are scaled by) and returns the block's weights. */
+static inline v16f softmax_block(v16f s, v16i live, float *m, float *l, float *alpha) {
+    s = vselect(live, s, splat(-3.0e38f));
+    float top = hmax(s);
+    float next = top > *m ? top : *m;
+    *alpha = vexp(splat(*m - next))[0];
+    v16f e = vselect(live, vexp(s - next), splat(0.0f));
+    *l = *l * *alpha + hsum(e);
+    *m = next;
+    return e;
+}
+
 /* One (row, KV head): G queries over n positions, 16 positions a block. Inlined with constant G and D where
  * the caller knows them, so the chunk loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void one_head(const uint16_t *qb, const uint16_t *kb, const uint16_t *vb,
@@ -49,12 +72,7 @@ static inline __attribute__((always_inline)) void one_head(const uint16_t *qb, c
         m[g] = -3.0e38f;
         l[g] = 0.0f;
     }
-    for (int64_t p = 0; p < AHEAD && p < n; p++) { /* the head's first rows: nothing prefetched them yet */
-        __builtin_prefetch(kb + p * D);
-        __builtin_prefetch(kb + p * D + 32);
-        __builtin_prefetch(vb + p * D);
-        __builtin_prefetch(vb + p * D + 32);
-    }
+    prefetch_head(kb, vb, n, D);
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
         const int64_t len = n - p0 < 16 ? n - p0 : 16;
         for (int64_t j = 0; j < 16; j++) {
@@ -75,13 +93,8 @@ static inline __attribute__((always_inline)) void one_head(const uint16_t *qb, c
         }
         v16i live = (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < (int32_t)len;
         for (int64_t g = 0; g < G; g++) {
-            v16f s = vselect(live, reduce16(part[g]), splat(-3.0e38f));
-            float top = hmax(s);
-            float next = top > m[g] ? top : m[g];
-            float alpha = vexp(splat(m[g] - next))[0];
-            v16f e = vselect(live, vexp(s - next), splat(0.0f));
-            l[g] = l[g] * alpha + hsum(e);
-            m[g] = next;
+            float alpha;
+            v16f e = softmax_block(reduce16(part[g]), live, &m[g], &l[g], &alpha);
             memcpy(w[g], &e, sizeof e);
             for (int64_t c = 0; c < nc; c++) acc[g][c] *= alpha;
         }
@@ -128,12 +141,7 @@ static inline __attribute__((always_inline)) void one_head_dp(const uint16_t *qb
         m[g] = -3.0e38f;
         l[g] = 0.0f;
     }
-    for (int64_t p = 0; first && p < AHEAD && p < n; p++) {
-        __builtin_prefetch(kb + p * D);
-        __builtin_prefetch(kb + p * D + 32);
-        __builtin_prefetch(vb + p * D);
-        __builtin_prefetch(vb + p * D + 32);
-    }
+    if (first) prefetch_head(kb, vb, n, D);
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
         const int64_t len = n - p0 < 16 ? n - p0 : 16;
         for (int64_t j = 0; j < 16; j++) {
@@ -156,13 +164,8 @@ static inline __attribute__((always_inline)) void one_head_dp(const uint16_t *qb
         }
         v16i live = (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < (int32_t)len;
         for (int64_t g = 0; g < G; g++) {
-            v16f s = vselect(live, reduce16(part[g]) * scale, splat(-3.0e38f));
-            float top = _mm512_reduce_max_ps((__m512)s);
-            float next = top > m[g] ? top : m[g];
-            float alpha = vexp(splat(m[g] - next))[0];
-            v16f e = vselect(live, vexp(s - next), splat(0.0f));
-            l[g] = l[g] * alpha + hsum(e);
-            m[g] = next;
+            float alpha;
+            v16f e = softmax_block(reduce16(part[g]) * scale, live, &m[g], &l[g], &alpha);
             __m256bh eb = _mm512_cvtneps_pbh((__m512)e);
             memcpy(wp[g], &eb, sizeof eb);
             for (int64_t c = 0; c < 2 * nk; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(alpha));
