@@ -121,8 +121,10 @@ static inline __attribute__((always_inline)) void one_head(const uint16_t *qb, c
 /* one_head with AVX512-BF16 dot products (D % 32 == 0): scores from bf16 q.k pairs straight into fp32 lanes (no
  * widening of K), and the value sum over pairs of positions: V rows p and p+1 interleaved by 16-bit element
  * (within 128-bit lanes), times the pair of their softmax weights rounded to bf16, as SDPA's bf16 kernels round
- * the probabilities before their second matmul. Why: the fp32 version runs ~55 instructions a position and head,
- * so it was compute-bound (12.5 GB/s from L3, 9.9 from memory, for 16 rows at 250 positions); this one ~27.
+ * the probabilities before their second matmul. Why: the fp32 version spends about twice the instructions a
+ * position and head, and ran at 12 GB/s from L3. Measured alone (16 rows, 250 positions, bf16): 249-263 -> 216-222
+ * us a layer from L3, 351-374 -> 322-352 us from memory; at 1000 positions both are bound by reading K/V (~10 GB/s
+ * here), and inside a whole decode step the change is within run-to-run noise (docs/performance.md).
  * acc[g][2c] holds dims c*32 + 8k + i (k = 128-bit lane, i < 4) of its 16 lanes, acc[g][2c + 1] dims + 4. */
 static inline __attribute__((always_inline)) void one_head_dp(const uint16_t *qb, const uint16_t *kb,
                                                               const uint16_t *vb, uint16_t *ob, int64_t n,
