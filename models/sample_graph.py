@@ -1,9 +1,9 @@
 """Sampling as a compiled graph: per-row parameters as tensors, so one graph serves any mix of requests.
 
-The step graphs return logits [b, V] and their greedy argmax [b]. A step whose rows are all greedy (and want no
-logprobs) reads only the argmax; any other step runs `sample_rows`, compiled once per row bucket, on the logits
-where they are (on an accelerator they never leave it): only ids [b], the sampled token's logprob [b] and the
-top-20 logprobs [b, 20] come to the host.
+The step graphs return logits [b, V]. A step whose rows are all greedy (and want no logprobs) takes only each
+row's maximum from them (server/engine/step_sampling.py); any other step runs `sample_rows`, compiled once per row
+bucket, on the logits where they are (on an accelerator they never leave it): only ids [b], the sampled token's
+logprob [b] and the top-20 logprobs [b, 20] come to the host.
 
 Sampling is Gumbel-max: argmax(logits / T + g) over the allowed tokens draws from softmax(logits / T)
 restricted to them. The noise g of token v for a row is a hash of (seed, position, v): a request's text
