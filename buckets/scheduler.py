@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from buckets.table import BucketTable
 
+WAITING_SERVED_RATIO = 0.0  # off: see Scheduler.waiting_served_ratio
+
 
 class QueueFullError(RuntimeError):
     """Admission refused (429): the waiting queue is at its request or token limit. The engine adds its
@@ -173,6 +175,12 @@ class Scheduler:
     max_waiting_requests: int = 64
     max_waiting_tokens: int = 65536
     policy: str = "continuous"  # "static": run-to-completion batches (what many static-shape servers do)
+    # Mixed steps: when the prompts that could start now (and a prompt mid-chunk) number at least this many times
+    # the decoding rows, a step carries up to the solo budget instead of the mixed budget (TGI's name for the same
+    # trade): fewer, larger prompt steps (faster per token) while many wait, each holding the decoding rows longer.
+    # 0: off (the mixed budget whenever a row decodes); 1: as many waiting as decoding; 0.05: nearly always (vLLM's
+    # one token budget for every step).
+    waiting_served_ratio: float = WAITING_SERVED_RATIO
     waiting: deque[Sequence] = field(default_factory=deque)
     running: dict[int, Sequence] = field(default_factory=dict)  # slot -> sequence
     _waiting_tokens: int = 0
@@ -183,6 +191,9 @@ class Scheduler:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be positive")
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
+        if not 0 <= self.waiting_served_ratio < float("inf"):  # NaN too
+            raise ValueError(
+                f"waiting_served_ratio must be finite and >= 0 (0: off), got {self.waiting_served_ratio}")
         if self.policy == "static" and self.table.mixed_tokens:
             raise ValueError("static batching runs no mixed steps: its table needs chunk graphs, not mixed tokens")
 
@@ -321,7 +332,11 @@ class Scheduler:
 
     def _mixed(self, decoding: dict[int, Sequence], chunking: Sequence | None, free: list[int]) -> MixedStep:
         decode = tuple(decoding[s] for s in sorted(decoding))
-        total = self.table.mixed_budget if decode else self.table.solo_budget  # no decoding row waits on it
+        startable = min(len(self.waiting), len(free)) + (chunking is not None)
+        # The solo budget when no decoding row waits on the step, or when the waiting outnumber the decoding.
+        ratio = self.waiting_served_ratio
+        big = not decode or (ratio > 0 and startable >= ratio * len(decode))
+        total = self.table.solo_budget if big else self.table.mixed_budget
         budget = total - len(decode)
         pieces: list[Piece] = []
         if chunking is not None:

@@ -48,7 +48,8 @@ def engine_for(settings: ServerSettings, model: EngineModel, hooks: MetricsHooks
     """The engine over `model`, with the settings' queue limits, timeout and batching policy."""
     return Engine(model, max_waiting_requests=settings.max_waiting_requests,
                   max_waiting_tokens=settings.max_waiting_tokens, request_timeout=settings.request_timeout,
-                  metrics=hooks, batching=settings.batching, log_prompts=settings.log_prompts)
+                  metrics=hooks, batching=settings.batching, log_prompts=settings.log_prompts,
+                  waiting_served_ratio=settings.waiting_served_ratio)
 
 
 def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = None,

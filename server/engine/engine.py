@@ -15,7 +15,7 @@ import uuid
 from collections import deque
 
 from buckets import PromptTooLongError
-from buckets.scheduler import ChunkStep, MixedStep, PrefillStep, Scheduler, Sequence, Step
+from buckets.scheduler import WAITING_SERVED_RATIO, ChunkStep, MixedStep, PrefillStep, Scheduler, Sequence, Step
 from models.mesh import MeshError
 from models.runner import WarmupCancelled
 from models.sampling import SampledToken, SamplingParams
@@ -54,7 +54,7 @@ log = logging.getLogger("bucketserve.engine")
 class Engine:
     def __init__(self, model: EngineModel, *, max_waiting_requests: int = 64, max_waiting_tokens: int = 65536,
                  request_timeout: float = 0.0, metrics: MetricsHooks | None = None, batching: str = "continuous",
-                 log_prompts: bool = False) -> None:
+                 log_prompts: bool = False, waiting_served_ratio: float = WAITING_SERVED_RATIO) -> None:
         self.model = model
         self.table = model.table
         self.tokenizer = model.tokenizer
@@ -64,7 +64,8 @@ class Engine:
         self.metrics = SafeHooks(metrics)
         self.request_timeout = request_timeout
         self.log_prompts = log_prompts
-        self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens, batching)
+        self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens, batching,
+                                    waiting_served_ratio=waiting_served_ratio)
         self._lock = threading.Lock()  # guards the scheduler and _active between the loop and the thread
         self._wake = threading.Condition(self._lock)
         self._active: dict[str, ActiveRequest] = {}

@@ -340,6 +340,60 @@ def test_short_prompts_at_an_idle_server_keep_their_prefill() -> None:
     assert isinstance(step, PrefillStep) and step.length == 16 and [q.request_id for q in step.seqs] == ["a"]
 
 
+def _one_decoding_row_and(s: Scheduler, waiting: list[Sequence]) -> MixedStep:
+    """Row "a" decodes, then `waiting` queue: the next step, which must be a mixed step."""
+    s.add(seq("a", 5, max_tokens=8))
+    first = s.schedule()
+    assert isinstance(first, PrefillStep)
+    s.update(first, {"a": 7})
+    s.add_many(waiting)
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and [q.request_id for q in step.decode] == ["a"]
+    return step
+
+
+def test_waiting_served_ratio_off_keeps_the_mixed_budget_while_a_row_decodes() -> None:
+    s = Scheduler(SOLO)  # the default: off
+    step = _one_decoding_row_and(s, [seq("b", 30), seq("c", 30)])
+    assert step.tokens == SOLO.mixed_budget == 16 and step.prompt_tokens == 15
+
+
+@pytest.mark.parametrize(("ratio", "waiting", "solo"), [
+    (1.0, 1, True),  # one startable prompt against one decoding row: 1 >= 1 x 1
+    (2.0, 1, False),  # 1 < 2 x 1
+    (2.0, 2, True),
+    (0.05, 1, True),  # nearly always (vLLM's one budget)
+    (0.0, 5, False),  # 0: off
+])
+def test_waiting_served_ratio_gives_the_solo_budget_when_the_waiting_outnumber_the_decoding(
+        ratio: float, waiting: int, solo: bool) -> None:
+    s = Scheduler(SOLO, waiting_served_ratio=ratio)
+    step = _one_decoding_row_and(s, [seq(f"w{i}", 40) for i in range(waiting)])
+    if solo:  # the decoding row and as many prompt tokens as the largest token bucket holds
+        assert step.tokens == SOLO.solo_budget == 64 and step.prompt_tokens == min(40 * waiting, 63)
+    else:
+        assert step.tokens == SOLO.mixed_budget and step.prompt_tokens == 15
+
+
+def test_waiting_served_ratio_counts_only_prompts_that_can_start() -> None:
+    # 4 slots: "a" decodes, "b" and "c" fill two more; four more wait but one slot is free: 1 startable < 2 x 3
+    s = Scheduler(SOLO, waiting_served_ratio=1.0)
+    step = _one_decoding_row_and(s, [seq("b", 3), seq("c", 3)])
+    s.update(step, {q.request_id: 7 for q in step.sampling_seqs})
+    step = s.schedule()
+    assert isinstance(step, DecodeStep) and len(step.seqs) == 3
+    s.update(step, {q.request_id: 7 for q in step.sampling_seqs})
+    s.add_many([seq(f"w{i}", 30) for i in range(4)])
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and len(step.decode) == 3 and step.tokens == SOLO.mixed_budget
+
+
+def test_waiting_served_ratio_must_be_a_number_at_least_zero() -> None:
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="waiting_served_ratio"):
+            Scheduler(SOLO, waiting_served_ratio=bad)
+
+
 def test_solo_workload_completes_fcfs_and_never_stalls_decoding_rows_past_the_budget() -> None:
     rng = random.Random(2)
     s = Scheduler(SOLO, max_waiting_requests=1000, max_waiting_tokens=10**6)

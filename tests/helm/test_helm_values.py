@@ -35,7 +35,7 @@ EVERY_SETTING_CHANGED: dict[str, Any] = {
     "numThreads": 3, "protectMetrics": True,
     "maxBodyBytes": 2_000_000, "requestTimeout": 12.5, "drainTimeout": 7.25, "logFormat": "json",
     "logPrompts": True, "lengthsFile": "/models/lengths.jsonl", "modelCacheDir": "/models/cache",
-    "tensorParallelSize": 2, "tpTimeout": 30.5,
+    "tensorParallelSize": 2, "tpTimeout": 30.5, "waitingServedRatio": 1.5,
 }
 
 BAD_VALUES: dict[str, dict[str, Any]] = {
@@ -51,6 +51,7 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
     "zero tensor-parallel size": {"server": {"tensorParallelSize": 0}},
     "fractional tensor-parallel size": {"server": {"tensorParallelSize": 1.5}},
     "zero tp timeout": {"server": {"tpTimeout": 0}},
+    "negative waiting-served ratio": {"server": {"waitingServedRatio": -1}},
     "gpu resource": {"neuron": {"resourceName": "nvidia.com/gpu"}},
     "cpu autoscaling": {"autoscaling": {"mode": "cpu"}},
     "zero probe period": {"probes": {"startup": {"periodSeconds": 0}}},
