@@ -34,6 +34,7 @@ from models.gated_mlp import fuse_gated_mlps
 from models.masks import chunk_mask, decode_mask, sliding_window
 from models.prepack import prepack
 from models.prepack import supported as prepack_supported
+from models.rms_norm import swap_rms_norms
 from models.rotary_table import tabulate_rotary
 from models.sample_graph import SampleInputs, sample_rows
 from models.slot_cache import ChunkCache, DecodeCache, MixedCache, PrefillCache, SlotStorage
@@ -219,6 +220,8 @@ class ModelRunner:
             log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", self.prepacked, third)
         # Gated SiLU MLPs as one op: prompt-sized steps fuse silu and the product into oneDNN (models/gated_mlp.py).
         self.fused_mlps = fuse_gated_mlps(model) if self.prepacked else 0
+        # bf16 RMSNorms of prompt-sized steps in one C call (models/rms_norm.py); decode steps keep inductor's.
+        self.native_norms = swap_rms_norms(model) if self.prepacked and self.dtype == torch.bfloat16 else 0
         self.storage = SlotStorage(
             model.config,
             max_slots=table.batch_sizes[-1],
