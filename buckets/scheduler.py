@@ -175,11 +175,12 @@ class Scheduler:
     max_waiting_requests: int = 64
     max_waiting_tokens: int = 65536
     policy: str = "continuous"  # "static": run-to-completion batches (what many static-shape servers do)
-    # Mixed steps: when the prompts that could start now (and a prompt mid-chunk) number at least this many times
-    # the decoding rows, a step carries up to the solo budget instead of the mixed budget (TGI's name for the same
-    # trade): fewer, larger prompt steps (faster per token) while many wait, each holding the decoding rows longer.
-    # 0: off (the mixed budget whenever a row decodes); 1: as many waiting as decoding; 0.05: nearly always (vLLM's
-    # one token budget for every step).
+    # Mixed steps: when the prompts that could start now (free slots permitting) plus a prompt mid-chunk number at
+    # least this many times the decoding rows, a step carries up to the solo budget instead of the mixed budget:
+    # fewer, larger prompt steps (faster per token) while many wait, each holding the decoding rows longer. 0: off
+    # (the mixed budget whenever a row decodes); 1: as many waiting as decoding (one long prompt against one
+    # decoding row counts); 0.05: nearly always (vLLM's one token budget for every step). Named after TGI's
+    # setting, which trades the same thing differently (there it gates when a new prefill batch may join; 0: always).
     waiting_served_ratio: float = WAITING_SERVED_RATIO
     waiting: deque[Sequence] = field(default_factory=deque)
     running: dict[int, Sequence] = field(default_factory=dict)  # slot -> sequence

@@ -117,7 +117,8 @@ class BucketTable:
     prompt tokens of new or partly prefilled requests together, packed on one token axis and padded to the
     smallest token bucket that holds them: one pass over the weights serves both (what vLLM schedules). Its
     graph returns the logits of `max_batch` rows (a row per slot at most samples in one step). With rows
-    decoding a step carries up to `mixed_budget` tokens; without, up to `solo_budget` (the largest bucket)."""
+    decoding a step carries up to `mixed_budget` tokens; without, up to `solo_budget` (the largest bucket), and
+    with them too where the scheduler's `waiting_served_ratio` says the waiting outnumber them."""
 
     lengths: tuple[int, ...]
     batch_sizes: tuple[int, ...] = (1,)
@@ -209,7 +210,8 @@ class BucketTable:
 
     @property
     def solo_budget(self) -> int:
-        """Most prompt tokens one mixed step carries when no row decodes (nobody waits on it): the largest token
+        """Most prompt tokens one mixed step carries when no row decodes (nobody waits on it; or, with the
+        scheduler's `waiting_served_ratio`, when the waiting outnumber the decoding rows): the largest token
         bucket. Above the mixed budget, a long prompt at an idle server takes fewer, larger steps (each step
         reads the weights once; matmuls of 1024 rows run faster per row than four of 256)."""
         return self.mixed_tokens[-1] if self.mixed_tokens else 0

@@ -154,7 +154,7 @@ def _load() -> None:
     lib.bucketserve_gated_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int,
                                            ctypes.c_int]
     lib.bucketserve_gated_bf16.restype = ctypes.c_int
-    lib.bucketserve_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float]
+    lib.bucketserve_rms_norm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.bucketserve_rms_norm_bf16.restype = ctypes.c_int
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
                   matmul=bool(lib.bucketserve_small_matmul_supported()), amx=bool(lib.bucketserve_amx_supported()))
@@ -366,9 +366,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if (not available() or x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16
             or weight.shape != (d,) or not x.is_contiguous() or not weight.is_contiguous()):
         return None
+    threads = _threads()
+    if threads is None:
+        return None
     out = torch.empty_like(x)
-    if _lib().bucketserve_rms_norm_bf16(x.data_ptr(), d, weight.data_ptr(), out.data_ptr(), d, x.numel() // max(d, 1),
-                                        d, eps):
+    if _lib().bucketserve_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(d, 1), d,
+                                        eps, threads):
         return None
     return out
 

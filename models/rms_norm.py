@@ -12,9 +12,10 @@ A decode step's few rows cost inductor a few microseconds, less than a call into
 Python), so the swapped module picks at trace time, from the step's static shape: the op from NATIVE_MIN_ROWS
 rows, else the eager formula (which inductor fuses as before).
 
-Only bf16 models with prepacked weights are swapped (float32 stays the reference, token-identical to
-transformers), and only norms whose own forward computes this formula (checked on a probe input at the swap, so
-variants such as Gemma's `(1 + weight)` keep their own).
+Only bf16 models with prepacked weights and the native kernels are swapped (float32 stays the reference,
+token-identical to transformers), only norms over the hidden size, and only those whose own forward gives this
+formula's bf16 output exactly (checked on a probe input at the swap: variants such as Gemma's `(1 + weight)` or
+OLMo-2's single rounding keep their own).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 def _rms_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    out = native.rms_norm(x if x.is_contiguous() else x.contiguous(), weight, eps) if native.enabled() else None
-    return out if out is not None else eager_rms_norm(x, weight, eps)
+    x = x.contiguous()  # the output is contiguous and of x's dtype on both paths, as the fake declares
+    out = native.rms_norm(x, weight, eps)
+    return out if out is not None else eager_rms_norm(x, weight, eps).to(x.dtype).contiguous()
 
 
 def _rms_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,25 +68,32 @@ class NativeRMSNorm(nn.Module):
         return eager_rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-def _swappable(module: nn.Module) -> bool:
-    """A `*RMSNorm` with a [D] weight and a float `variance_epsilon` whose forward computes eager_rms_norm."""
+def _swappable(module: nn.Module, dim: int) -> bool:
+    """A `*RMSNorm` over the hidden size `dim` (not a per-head norm: its rows would be tokens x heads), with a bf16
+    [dim] weight and a float `variance_epsilon`, whose own forward gives eager_rms_norm's bf16 output exactly (a
+    variant that rounds once, as OLMo-2's `(weight * h).to(bf16)`, or adds one, as Gemma's, differs)."""
     weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
     if (type(module) is NativeRMSNorm or not type(module).__name__.endswith("RMSNorm")
-            or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float)):
+            or not isinstance(weight, torch.Tensor) or weight.shape != (dim,) or weight.dtype is not torch.bfloat16
+            or not isinstance(eps, float)):
         return False
-    probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0))
+    probe = (torch.randn(8, dim, generator=torch.Generator().manual_seed(0)) * 4).to(weight.device, torch.bfloat16)
     with torch.no_grad():
         try:
-            got = module(probe)
+            got = type(module).forward(module, probe)  # the class's forward: no hooks run
         except Exception:  # noqa: BLE001 - a norm that cannot run this probe is not one we know
             return False
-        want = eager_rms_norm(probe, weight.float(), eps)
-    return bool(got.shape == want.shape and torch.allclose(got.float(), want, rtol=1e-3, atol=1e-5))
+        want = eager_rms_norm(probe, weight, eps)
+    return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
 
 
 def swap_rms_norms(model: nn.Module) -> int:
-    """Swap every RMSNorm of `model` that computes the Llama formula to NativeRMSNorm; returns how many."""
-    found = [m for m in model.modules() if _swappable(m)]
+    """Swap every hidden-size RMSNorm of a bf16 `model` that computes the Llama formula to NativeRMSNorm; returns
+    how many."""
+    dim = getattr(getattr(model, "config", None), "hidden_size", None)
+    if not isinstance(dim, int) or dim % 16:  # the kernel takes multiples of 16
+        return 0
+    found = [m for m in model.modules() if _swappable(m, dim)]
     for module in found:
         module.__class__ = NativeRMSNorm
     return len(found)

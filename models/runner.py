@@ -221,7 +221,8 @@ class ModelRunner:
         # Gated SiLU MLPs as one op: prompt-sized steps fuse silu and the product into oneDNN (models/gated_mlp.py).
         self.fused_mlps = fuse_gated_mlps(model) if self.prepacked else 0
         # bf16 RMSNorms of prompt-sized steps in one C call (models/rms_norm.py); decode steps keep inductor's.
-        self.native_norms = swap_rms_norms(model) if self.prepacked and self.dtype == torch.bfloat16 else 0
+        self.native_norms = swap_rms_norms(model) \
+            if self.prepacked and self.dtype == torch.bfloat16 and native.available() else 0
         self.storage = SlotStorage(
             model.config,
             max_slots=table.batch_sizes[-1],

@@ -78,7 +78,8 @@ def main() -> int:
     args = parser.parse_args()
     result = run(tuple(int(r) for r in args.rows.split(",")), args.vocab, args.calls, args.repeats)
     lines = ["| rows | dtype | argmax (us) | max().indices (us) |", "|---|---|---|---|"]
-    lines += [f"| {r['rows']} | {r['dtype']} | {r['argmax_us']} | {r['max_indices_us']} |" for r in result if "rows" in r]
+    lines += [f"| {r['rows']} | {r['dtype']} | {r['argmax_us']} | {r['max_indices_us']} |"
+              for r in result if "rows" in r]
     lines += ["", "| host path, one row | us |", "|---|---|"]
     lines += [f"| {r['host_row']} | {r['us']} |" for r in result if "host_row" in r]
     out = Path(args.out)

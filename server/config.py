@@ -249,9 +249,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests)
     parser.add_argument("--max-waiting-tokens", type=int, default=d.max_waiting_tokens)
     parser.add_argument("--waiting-served-ratio", type=float, default=d.waiting_served_ratio,
-                        help="mixed steps: when the prompts that could start number at least this many times the "
-                             "decoding rows, a step carries up to the largest token bucket instead of the chunk (fewer, "
-                             "bigger prompt steps while many wait, at the cost of TTFT; 0: off, only when nothing decodes)")
+                        help="mixed steps: when the prompts that could start number at least this many times "
+                             "the decoding rows, a step carries up to the largest token bucket instead of the "
+                             "chunk (fewer, bigger prompt steps while many wait, at the cost of TTFT; 0: off)")
     parser.add_argument("--recompile-policy", default=d.recompile_policy, choices=["error", "allow"])
     parser.add_argument("--batching", default=d.batching, choices=["continuous", "static"],
                         help="static: a batch runs to completion before new requests join (for comparison)")

@@ -35,6 +35,15 @@ def _needs_graph(sampler: Sampler) -> bool:
     return not p.is_greedy or p.logprobs is not None
 
 
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """logits [rows, V] -> each row's argmax (the first maximum on ties; a row with a NaN gives its first NaN), for
+    every row of the bucket (pad rows too: no index tensor, no copy of the logits). By max's indices, which
+    PyTorch documents as argmax's, because CPU argmax on bf16 is ~5x slower here: 2.5 vs 0.5 ms for 16 rows of
+    49152 (scripts/bench_sampling.py), 5% of a 16-row decode step."""
+    ids: list[int] = logits.max(dim=-1).indices.tolist()
+    return ids
+
+
 def sample_step(runner: ModelRunner, seqs: tuple[Sequence, ...], samplers: list[Sampler | None], out: StepLogits
                 ) -> list[SampledToken | Exception | None]:
     results: list[SampledToken | Exception | None] = [None] * len(seqs)
@@ -62,10 +71,7 @@ def sample_step(runner: ModelRunner, seqs: tuple[Sequence, ...], samplers: list[
                 top = tuple(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist())) if k else ()
                 results[i] = SampledToken(int(ids[r]), float(chosen[r]) if k is not None else None, top)
     elif on_device:
-        # The argmax of every row of the bucket (pad rows too): no index tensor, no copy of the logits. max's indices
-        # (the first maximum, as argmax's) because CPU argmax on bf16 is ~5x slower here: 2.5 vs 0.5 ms for 16 rows
-        # of 49152 (scripts/bench_sampling.py), 5% of a 16-row decode step.
-        greedy = out.logits.max(dim=-1).indices.tolist()
+        greedy = greedy_ids(out.logits)
         for i, _ in on_device:
             results[i] = SampledToken(int(greedy[out.rows[i]]), None, ())
     for i, s in host:

@@ -376,7 +376,7 @@ def test_waiting_served_ratio_gives_the_solo_budget_when_the_waiting_outnumber_t
 
 
 def test_waiting_served_ratio_counts_only_prompts_that_can_start() -> None:
-    # 4 slots: "a" decodes, "b" and "c" fill two more; four more wait but one slot is free: 1 startable < 2 x 3
+    # 4 slots: "a" decodes, "b" and "c" fill two more; four more wait but one slot is free: 1 startable < 1 x 3
     s = Scheduler(SOLO, waiting_served_ratio=1.0)
     step = _one_decoding_row_and(s, [seq("b", 3), seq("c", 3)])
     s.update(step, {q.request_id: 7 for q in step.sampling_seqs})
@@ -386,6 +386,17 @@ def test_waiting_served_ratio_counts_only_prompts_that_can_start() -> None:
     s.add_many([seq(f"w{i}", 30) for i in range(4)])
     step = s.schedule()
     assert isinstance(step, MixedStep) and len(step.decode) == 3 and step.tokens == SOLO.mixed_budget
+
+
+def test_waiting_served_ratio_counts_a_prompt_mid_chunk_as_waiting() -> None:
+    for ratio, tokens in ((0.0, 16), (1.0, 64)):
+        s = Scheduler(SOLO)  # off while "long" starts: one decoding row and its first 15 tokens
+        step = _one_decoding_row_and(s, [seq("long", 100)])
+        s.update(step, {"a": 7})
+        s.waiting_served_ratio = ratio  # then: "long" mid-chunk is one waiting stream against one decoding row
+        step = s.schedule()
+        assert isinstance(step, MixedStep) and [q.request_id for q in step.decode] == ["a"], ratio
+        assert step.tokens == tokens and [(p.seq.request_id, p.offset) for p in step.pieces] == [("long", 15)]
 
 
 def test_waiting_served_ratio_must_be_a_number_at_least_zero() -> None:

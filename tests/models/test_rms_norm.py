@@ -4,6 +4,8 @@ with the op gives the eager model's logits."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -20,7 +22,7 @@ needs_kernels = pytest.mark.skipif(not native.available(), reason="needs the nat
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 64, 256, 1024])
+@pytest.mark.parametrize("rows", [1, 3, 64, 257, 1024])
 @pytest.mark.parametrize("dim", [64, 576, 48])
 def test_the_kernel_rounds_as_the_eager_formula(rows: int, dim: int) -> None:
     torch.manual_seed(rows * dim)
@@ -34,6 +36,23 @@ def test_the_kernel_rounds_as_the_eager_formula(rows: int, dim: int) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0)
 
 
+@needs_kernels
+def test_the_kernel_splits_rows_over_threads_with_the_same_result() -> None:
+    torch.manual_seed(1)
+    x, weight = torch.randn(300, 576).bfloat16(), (torch.randn(576) + 1).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.rms_norm(x, weight, 1e-6)
+        torch.set_num_threads(2)
+        two = native.rms_norm(x, weight, 1e-6)
+    finally:
+        torch.set_num_threads(before)
+    assert one is not None and two is not None and torch.equal(one, two)
+    empty = native.rms_norm(x[:0], weight, 1e-6)  # no rows: nothing to do
+    assert empty is not None and empty.shape == (0, 576)
+
+
 def test_the_op_declines_to_eager_where_the_kernel_does_not_take_the_inputs() -> None:
     torch.manual_seed(0)
     weight = (torch.randn(40) + 1).bfloat16()
@@ -44,12 +63,13 @@ def test_the_op_declines_to_eager_where_the_kernel_does_not_take_the_inputs() ->
     got = torch.ops.bucketserve.rms_norm(strided, weight[:1].expand(64).contiguous(), 1e-6)
     torch.testing.assert_close(got.float(), eager_rms_norm(strided, weight[:1].expand(64), 1e-6).float(),
                                rtol=1e-2, atol=0)
+    was = native.enabled()
     native.configure(False)  # --no-native-kernels: the eager formula, exactly
     try:
         x, ones = torch.randn(70, 64).bfloat16(), torch.ones(64).bfloat16()
         assert torch.equal(torch.ops.bucketserve.rms_norm(x, ones, 1e-6), eager_rms_norm(x, ones, 1e-6))
     finally:
-        native.configure(True)
+        native.configure(was)
 
 
 class _OnePlusRMSNorm(nn.Module):
@@ -57,21 +77,42 @@ class _OnePlusRMSNorm(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=torch.bfloat16))
         self.variance_epsilon = 1e-6
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        return (1 + self.weight) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (1 + self.weight) * h.to(x.dtype)
 
 
-def test_only_llama_formula_norms_are_swapped(tiny_models: dict[str, str]) -> None:
+class _OnceRoundedRMSNorm(_OnePlusRMSNorm):
+    """OLMo-2's variant, `(weight * h).to(bf16)`: the Llama formula with one rounding instead of two."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h).to(x.dtype)
+
+
+def _holder(norm: nn.Module, hidden_size: int) -> nn.Module:
+    holder = nn.Sequential(norm)
+    holder.config = SimpleNamespace(hidden_size=hidden_size)  # type: ignore[assignment]
+    return holder
+
+
+def test_only_hidden_size_llama_formula_norms_of_bf16_models_are_swapped(tiny_models: dict[str, str]) -> None:
     model = load_model(tiny_models["llama"], "bfloat16", "cpu")
     layers = model.config.num_hidden_layers
     assert swap_rms_norms(model) == 2 * layers + 1 and swap_rms_norms(model) == 0  # each layer's two and the last
     assert sum(type(m) is NativeRMSNorm for m in model.modules()) == 2 * layers + 1
-    gemma_like = nn.Sequential(_OnePlusRMSNorm(64))  # the name matches, the formula does not
-    assert swap_rms_norms(gemma_like) == 0
+    for variant in (_OnePlusRMSNorm, _OnceRoundedRMSNorm):  # the names match, the formulas do not
+        norm = variant(64)
+        norm.weight.data.normal_(1.0, 0.3)
+        assert swap_rms_norms(_holder(norm, 64)) == 0, variant.__name__
+    llama_norm = type(load_model(tiny_models["llama"], "bfloat16", "cpu").model.norm)(64, eps=1e-6).bfloat16()
+    assert swap_rms_norms(_holder(llama_norm, 128)) == 0  # not over the hidden size (a per-head norm)
+    assert swap_rms_norms(load_model(tiny_models["llama"], "float32", "cpu")) == 0  # float32: the reference
     assert swap_rms_norms(load_model(tiny_models["gpt2"], "bfloat16", "cpu")) == 0  # LayerNorm
 
 
@@ -91,6 +132,9 @@ def test_a_compiled_prompt_step_with_the_op_gives_the_eager_logits(tiny_llama: s
                         context_length=2 * NATIVE_MIN_ROWS, kv_lengths=(2 * NATIVE_MIN_ROWS,))
     fp32 = ModelRunner(load_model(tiny_llama, "float32", "cpu"), table, CompileSettings(backend="inductor"))
     assert fp32.native_norms == 0  # float32 is never swapped: the reference path stays transformers'
+    off = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), table,
+                      CompileSettings(backend="inductor", native_kernels=False))
+    assert off.native_norms == 0  # --no-native-kernels: inductor's fused kernels, as before
     runner = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), table, CompileSettings(backend="inductor"))
     assert runner.native_norms > 0
     runner.warmup([GraphKey("prefill", 1, 8), GraphKey("prefill", 1, NATIVE_MIN_ROWS)])

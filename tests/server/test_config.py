@@ -1,13 +1,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
 from buckets import GraphKey
 from server.config import ServerSettings, SettingsError, add_server_arguments, settings_from_args
-from tests.support.tiny import tiny_engine, tiny_settings
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> ServerSettings:
@@ -76,12 +74,10 @@ def test_bad_settings_are_refused_with_the_setting_named(argv: list[str], env: d
         parse(argv, env)
 
 
-def test_waiting_served_ratio_is_off_by_default_and_reaches_the_scheduler(tmp_path: Path) -> None:
+def test_waiting_served_ratio_is_off_by_default_and_settable() -> None:
     assert parse([]).waiting_served_ratio == 0
     assert parse(["--waiting-served-ratio", "1.2"]).waiting_served_ratio == 1.2
     assert parse([], {"BUCKETSERVE_WAITING_SERVED_RATIO": "0.5"}).waiting_served_ratio == 0.5
-    engine = tiny_engine(tmp_path, settings=tiny_settings(waiting_served_ratio=0.5))
-    assert engine._scheduler.waiting_served_ratio == 0.5
 
 
 def test_bucket_table_never_exceeds_the_model_or_max_model_len() -> None:

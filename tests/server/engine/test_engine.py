@@ -318,3 +318,8 @@ def test_a_failed_mixed_step_fails_its_prompt_and_the_decoding_rows_go_on(tmp_pa
     tokens, (failed_tokens, reason) = asyncio.run(main())
     assert failed_tokens == [] and reason == "error"
     assert tokens == solo(reference_model, decoding_ids, 20)  # no token lost or repeated by the failed step
+
+
+def test_the_waiting_served_ratio_setting_reaches_the_scheduler(tmp_path) -> None:
+    engine = tiny_engine(tmp_path, settings=tiny_settings(waiting_served_ratio=0.5))  # unstarted: nothing to stop
+    assert engine._scheduler.waiting_served_ratio == 0.5
