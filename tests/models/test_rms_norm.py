@@ -60,9 +60,10 @@ def test_the_op_declines_to_eager_where_the_kernel_does_not_take_the_inputs() ->
     strided = torch.randn(5, 128).bfloat16()[:, :64]  # not contiguous: the op copies it first
     assert native.rms_norm(odd, weight, 1e-6) is None
     assert torch.equal(torch.ops.bucketserve.rms_norm(odd, weight, 1e-6), eager_rms_norm(odd, weight, 1e-6))
-    got = torch.ops.bucketserve.rms_norm(strided, weight[:1].expand(64).contiguous(), 1e-6)
-    torch.testing.assert_close(got.float(), eager_rms_norm(strided, weight[:1].expand(64), 1e-6).float(),
-                               rtol=1e-2, atol=0)
+    w64 = (torch.randn(64) + 1).bfloat16()
+    got = torch.ops.bucketserve.rms_norm(strided, w64, 1e-6)
+    assert got.is_contiguous()  # as the op's fake declares
+    torch.testing.assert_close(got.float(), eager_rms_norm(strided, w64, 1e-6).float(), rtol=1e-2, atol=0)
     was = native.enabled()
     native.configure(False)  # --no-native-kernels: the eager formula, exactly
     try:
