@@ -28,7 +28,9 @@ class Case:
 def _lengths(table: BucketTable, max_tokens: int) -> list[tuple[str, int]]:
     """(reason, prompt length) pairs: 1, b-1, b, b+1 per length bucket; c*m-1, c*m, c*m+1 at chunk multiples;
     a prompt that makes generation cross each KV bucket but the last."""
-    limit = table.context_length - max_tokens
+    # Without chunked prefill the largest length bucket is the longest prompt the table admits.
+    longest = table.context_length if table.chunk_length else table.max_length
+    limit = min(table.context_length - max_tokens, longest)
     out: list[tuple[str, int]] = []
     for b in table.lengths:
         for label, n in (("1", 1), ("b-1", b - 1), ("b", b), ("b+1", b + 1)):

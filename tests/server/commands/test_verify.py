@@ -23,6 +23,14 @@ def verify(model: str, out: Path, *extra: str) -> tuple[int, dict]:
     return code, json.loads((out / "report.json").read_text())
 
 
+def test_cases_stay_within_the_largest_bucket_without_chunked_prefill() -> None:
+    # A 128-token context over buckets up to 64 and no chunking admits prompts of at most 64 tokens: a "b+1"
+    # case of 65 was refused by the scheduler and ended the whole run with a traceback.
+    table = BucketTable(lengths=(8, 16, 32, 64), context_length=128, kv_lengths=(32, 128))
+    lengths = {c.prompt_len for c in plan_cases(table, list(range(100, 400)), max_tokens=10)}
+    assert max(lengths) == 64 and {63, 9, 33} <= lengths
+
+
 def test_cases_cover_buckets_chunks_kv_crossings_and_waves() -> None:
     table = BucketTable(lengths=(8, 16), context_length=64, kv_lengths=(24, 32, 64), chunked_prefill=True)
     cases = plan_cases(table, list(range(100, 400)), max_tokens=10)
