@@ -217,8 +217,12 @@ class RunningServer:
                         f"{self.cmd.name} exited with code {self.proc.returncode} before it was ready; "
                         f"log {self.log_path}:\n{self.log_tail()}"
                     )
-                if _is_ready(client, self.cmd.url):
+                state = _readiness(client, self.cmd.url)
+                if state == "ready":
                     return time.perf_counter() - self.started
+                if state == "failed":
+                    raise ServerError(f"{self.cmd.name} reports that its engine failed; log {self.log_path}:\n"
+                                      f"{self.log_tail()}")
                 time.sleep(poll)
         raise ServerError(f"{self.cmd.name} not ready after {timeout:g} s; log {self.log_path}:\n{self.log_tail()}")
 
@@ -280,8 +284,13 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
+# Error codes with which a server says it will never be ready (bucketserve's /ready and /health).
+FAILED_CODES = ("engine_failed", "engine_dead")
+
+
 def _readiness(client: httpx.Client, url: str) -> str:
-    """"ready", "warming" (the server answers but not 200 yet) or "down" (nothing answers)."""
+    """"ready", "warming" (the server answers but not 200 yet), "failed" (it answers that its engine failed,
+    so waiting longer is pointless) or "down" (nothing answers)."""
     for path in ("/ready", "/health"):
         try:
             resp = client.get(url + path)
@@ -290,8 +299,16 @@ def _readiness(client: httpx.Client, url: str) -> str:
         if resp.status_code == 200:
             return "ready"
         if resp.status_code not in (404, 405):
-            return "warming"  # e.g. 503 while warming up: the server has the endpoint and says "not yet"
+            return "failed" if _error_code(resp) in FAILED_CODES else "warming"  # 503: "not yet"
     return "warming"
+
+
+def _error_code(resp: httpx.Response) -> str:
+    try:
+        error = resp.json().get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return str(error.get("code") or "") if isinstance(error, dict) else ""
 
 
 def _is_ready(client: httpx.Client, url: str) -> bool:

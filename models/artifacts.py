@@ -14,6 +14,7 @@ with a reason and rebuilt by the caller, never used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -144,6 +145,13 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@functools.cache
+def aot_available() -> bool:
+    """Whether this torch compiles ahead of time (`torch.compile(...).aot_compile`, torch 2.13 here; the images
+    of some accelerator hosts ship older torch builds). Without it graphs compile in-process, unsaved."""
+    return hasattr(torch.compile(lambda: None, backend="eager"), "aot_compile")
 
 
 def aot_compile(fn: Callable[..., Any], backend: Callable[..., Any], args: tuple[Any, ...]) -> Any:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 
 from models import native
-from models.artifacts import GraphStore, aot_compile, label_of, model_fingerprint
+from models.artifacts import GraphStore, aot_available, aot_compile, label_of, model_fingerprint
 from models.compile import (
     CompileAccountant,
     CompileSettings,
@@ -260,6 +260,10 @@ class ModelRunner:
         # compile cache and loaded on the next start (frozen graphs embed their weights and cannot be saved).
         # Calls go straight to the key's function: no dynamo guard evaluation per step.
         self.aot = compile_settings.backend == "inductor" and not compile_settings.inductor_freezing
+        if self.aot and not aot_available():
+            log.warning("torch %s has no ahead-of-time compile: graphs compile in this process and are not "
+                        "saved (torch 2.13 saves them)", torch.__version__)
+            self.aot = False
         self.store = GraphStore(os.path.join(compile_settings.cache_dir, "graphs")) \
             if self.aot and compile_settings.cache_dir else None
         self._graphs: dict[Any, Callable[..., Any]] = {}
@@ -417,7 +421,10 @@ class ModelRunner:
         position) per row (None: greedy). Returns (ids [R], logprob [R], top ids [R, 20], top logprobs
         [R, 20], exact_on_host [R]) from the sampling graph of R rows, still on the device."""
         self.sample_inputs[logits.shape[0]].fill(rows)
-        return self._run_sample(logits)
+        # The sampling graph is compiled for contiguous rows, but a step's logits may come with padded rows:
+        # inductor on CUDA pads bf16 rows to 16 bytes (a vocabulary of 420 gives a row stride of 424). A
+        # stride is part of the shape: unpadded here, once per step, where it is padded at all.
+        return self._run_sample(logits.contiguous())
 
     def _run_sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
         rows = logits.shape[0]

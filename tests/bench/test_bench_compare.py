@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,32 @@ def test_server_that_exits_early_is_reported(tmp_path: Path) -> None:
         with pytest.raises(ServerError, match="exited with code 3"):
             server.wait_ready(30)
     assert "no model" in (tmp_path / "broken.log").read_text()
+
+
+FAILED_ENGINE_SERVER = """
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"ready": False, "error": {"message": "the engine failed: boom", "type": "x",
+                                                      "param": None, "code": "engine_failed"}}).encode()
+        self.send_response(503); self.send_header("content-length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a): pass
+print("engine failed to load or warm up: boom", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_server_whose_engine_failed_is_reported_at_once(tmp_path: Path) -> None:
+    # The server stays up to say why (/ready 503 engine_failed); the bench stops waiting instead of sitting out
+    # its --ready-timeout (30 minutes by default).
+    port = free_port()
+    cmd = ServerCommand("failing", (sys.executable, "-c", FAILED_ENGINE_SERVER, str(port)), port)
+    with RunningServer(cmd, tmp_path / "failing.log") as server:
+        with pytest.raises(ServerError, match="engine failed") as info:
+            server.wait_ready(60)
+        assert time.perf_counter() - server.started < 20
+    assert "boom" in str(info.value)
 
 
 class FakeComparison(Comparison):

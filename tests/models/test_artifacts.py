@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from buckets import BucketTable, GraphKey
-from models.artifacts import GraphStore, label_of
+from models.artifacts import GraphStore, aot_available, label_of
 from models.compile import CompileAccountant, CompileSettings, RecompileError
 from models.generator import generate_one
 from models.graph_builder import BuildSpec, ProcessBuilder
@@ -240,3 +240,23 @@ def test_bfloat16_graphs_with_prepacked_linears_save_and_load(tiny_llama: str, t
         assert runner.accountant.count("serving") == 0
         runner.stop_serving()
     assert outputs[0] == outputs[1]
+
+
+def test_torch_without_ahead_of_time_compile_compiles_in_process(tiny_llama: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older torch (no `aot_compile`: the torch 2.11 of a GPU image) still serves inductor graphs: compiled
+    in this process through torch.compile, nothing saved, fail-closed after warm-up as ever."""
+    monkeypatch.setattr("models.runner.aot_available", lambda: False)
+    torch.set_num_threads(1)
+    runner = _runner(tiny_llama, tmp_path / "cache")
+    assert not runner.aot and runner.store is None
+    runner.warmup()
+    assert runner.accountant.count("warmup") == TABLE.num_graphs
+    assert generate_one(runner, PROMPT, GREEDY, 8).token_ids == _eager(tiny_llama)
+    assert runner.accountant.count("serving") == 0
+    assert not (tmp_path / "cache" / "graphs").exists()
+    runner.stop_serving()
+
+
+def test_aot_available_on_the_pinned_torch() -> None:
+    assert aot_available()

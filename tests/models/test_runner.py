@@ -123,6 +123,20 @@ def test_no_compilation_after_warmup_for_random_requests(compiled) -> None:
     assert runner.accountant.count("serving") == 0
 
 
+def test_logits_with_padded_rows_sample_as_contiguous_ones(compiled) -> None:
+    # Inductor on CUDA pads the rows of bf16 logits (stride 424 for a vocabulary of 420): the sampling graph,
+    # warmed on contiguous rows, must take them without a recompile and sample what the values say.
+    runner, _ = compiled
+    vocab = runner.vocab_size
+    padded = torch.randn(2, vocab + 4, generator=torch.Generator().manual_seed(3))[:, :vocab]
+    assert padded.stride(0) == vocab + 4
+    rows = [(0.8, 0, 1.0, 0.0, 7, 3), None]
+    want = [t.clone() for t in runner.sample(padded.contiguous(), rows)]
+    got = runner.sample(padded, rows)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert runner.accountant.count("serving") == 0
+
+
 def test_shape_outside_table_is_refused_not_compiled(compiled) -> None:
     runner, _ = compiled
     before = runner.accountant.count()
