@@ -22,8 +22,15 @@ Steps of more rows (prompt pieces of 256 tokens) keep oneDNN on the bf16 weight,
 precision and the tokens that follow are computed with the int8 weights.
 
 Numerics: the same oneDNN bf16 kernel with fp32 accumulation as the plain path (outputs agree to the bf16
-rounding; the small-row kernel sums in another order, also in fp32); float32 models are never prepacked (the
-reference path stays MKL's, token-identical to transformers).
+rounding; the small-row kernel sums in another order, also in fp32).
+
+float32 (the reference dtype): steps of 2+ rows take oneDNN's fp32 matmul on the packed copy, one-row steps MKL's
+on the plain weight, as transformers' eager path does. MKL's sgemm is slow at a few rows here (one thread, 8 rows:
+0.35 ms for a 1536x576 weight against oneDNN's 0.18 from the packed copy, the lm_head 14.8 against 6.4 ms), and
+oneDNN is as fast or faster up to prompt-sized steps. Its sums run in another order than MKL's: outputs differ by
+fp32 rounding (~1e-5 here), as MKL's own batched and one-row results already did, and greedy tokens stay those
+of transformers' eager float32 (`bucketserve verify --dtype float32`, the invariance tests). No native kernels,
+no fused MLP, no native RMSNorm in float32.
 Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16), the AMX copy a
 third (and the lm_head's: 57 MB more for SmolLM2's tied embeddings); the int8 copy, where it replaces the AMX
 one, half of that.
@@ -88,7 +95,7 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str) -> Packed
 # weight's address -> its packed copies
 _PACKED: dict[int, Packed] = {}
 _LOCK = threading.Lock()
-PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
+PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # The op is registered through torch.library.Library rather than the custom_op decorator: the decorator's
 # Python layers cost ~11 us a call, 2-3 ms of a 211-linear step; this costs ~5 us over the oneDNN call itself.
@@ -106,8 +113,8 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     """x [..., in] @ weight[out, in].T + bias -> [..., out], through the packed copy when there is one (the
     op's CPU kernel; models/gated_mlp.py calls it directly)."""
     entry = packed_for(weight, x)
-    if entry is None:
-        return F.linear(x, weight, bias)
+    if entry is None or (x.dtype is torch.float32 and x.numel() == x.shape[-1]):
+        return F.linear(x, weight, bias)  # float32 one-row steps: MKL's, the reference's own kernel, is faster
     kernel = entry.kernel(x.numel() // x.shape[-1]) if x.dtype is torch.bfloat16 and native.enabled() else None
     if kernel is not None:
         out = packed_linear(x if x.is_contiguous() else x.contiguous(), kernel, entry.shape[0])
@@ -136,7 +143,7 @@ class PrepackedLinear(nn.Linear):
 
 
 def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Prepacking needs oneDNN on the CPU and a 16-bit float dtype (float32 stays on the reference path)."""
+    """Prepacking needs oneDNN on the CPU and a float dtype (float32: steps of 2+ rows, above)."""
     return torch.device(device).type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
 
 

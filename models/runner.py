@@ -219,7 +219,8 @@ class ModelRunner:
                 third = " and the AMX matmul (a third)"
             log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", self.prepacked, third)
         # Gated SiLU MLPs as one op: prompt-sized steps fuse silu and the product into oneDNN (models/gated_mlp.py).
-        self.fused_mlps = fuse_gated_mlps(model) if self.prepacked else 0
+        # Not in float32: its fused epilogues would apply swish where the reference rounds first.
+        self.fused_mlps = fuse_gated_mlps(model) if self.prepacked and self.dtype != torch.float32 else 0
         # bf16 RMSNorms of prompt-sized steps in one C call (models/rms_norm.py); decode steps keep inductor's.
         self.native_norms = swap_rms_norms(model) \
             if self.prepacked and self.dtype == torch.bfloat16 and native.available() else 0

@@ -64,7 +64,7 @@ def test_runner_prepacks_only_where_supported(tiny_llama: str) -> None:
     bf16 = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), TABLE, CompileSettings(backend="dynamo-eager"))
     assert bf16.prepacked > 0
     fp32 = ModelRunner(load_model(tiny_llama, "float32", "cpu"), TABLE, CompileSettings(backend="dynamo-eager"))
-    assert fp32.prepacked == 0  # the float32 reference path keeps MKL's plain matmul
+    assert fp32.prepacked > 0 and fp32.fused_mlps == 0 and fp32.native_norms == 0
     off = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), TABLE,
                       CompileSettings(backend="dynamo-eager", weight_prepack=False))
     assert off.prepacked == 0
@@ -97,3 +97,28 @@ def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: 
             assert torch.count_nonzero(logits[0]) == 0
         runner.stop_serving()
     assert outputs[0] == outputs[1]
+
+
+def test_float32_takes_mkl_for_one_row_and_onednn_for_more(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32: one row is MKL's plain matmul, bit for bit the reference's; several rows read the packed copy
+    (oneDNN, sums in another order: equal within fp32 rounding)."""
+    model = load_model(tiny_llama, "float32", "cpu")
+    assert prepack(model) > 0
+    layer = next(m for m in model.modules() if isinstance(m, PrepackedLinear))
+    w = layer.weight.detach()
+    one = torch.randn(1, 1, w.shape[1])
+    assert torch.equal(torch.ops.bucketserve.linear(one, w, None), nn.functional.linear(one, w))
+    rows = torch.randn(8, w.shape[1])
+    torch.testing.assert_close(torch.ops.bucketserve.linear(rows, w, None), nn.functional.linear(rows, w),
+                               rtol=1e-5, atol=1e-5)
+    called: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(*args: object) -> torch.Tensor:
+        called.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    torch.ops.bucketserve.linear(rows, w, None)
+    torch.ops.bucketserve.linear(one, w, None)
+    assert called == [1]  # the 8-row call only
