@@ -1,5 +1,6 @@
-"""Prepacked CPU linears: every `nn.Linear` of a bfloat16/float16 model runs oneDNN's matmul on a copy of its
-weight reordered once into oneDNN's blocked layout, instead of reordering the plain weight on every call.
+"""Prepacked CPU linears: every `nn.Linear` of a bfloat16/float16 model (and of a float32 one, in steps of 2+ rows:
+below) runs oneDNN's matmul on a copy of its weight reordered once into oneDNN's blocked layout, instead of
+reordering the plain weight on every call.
 
 Why: with plain weights oneDNN reorders each weight on every call; that reorder costs as much as the matmul
 itself (measured here, one thread, bf16: 576x1536 weight 0.12 -> 0.055 ms at 1-16 rows, the 49152x576 lm_head
