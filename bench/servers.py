@@ -311,10 +311,6 @@ def _error_code(resp: httpx.Response) -> str:
     return str(error.get("code") or "") if isinstance(error, dict) else ""
 
 
-def _is_ready(client: httpx.Client, url: str) -> bool:
-    return _readiness(client, url) == "ready"
-
-
 def wait_until_ready(url: str, timeout: float, poll: float = 1.0) -> float | None:
     """For a server the bench did not start: seconds waited while it warms up (answers, but not ready).
     Returns at once when nothing answers (the requests will report the connection errors); None when
