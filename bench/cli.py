@@ -29,7 +29,7 @@ from bench.prompts import (
 )
 from bench.report import document, ratio_lines, write_json, write_markdown
 from bench.runner import RunOptions, TargetRun, failed_target, run_target
-from bench.servers import wait_until_ready
+from bench.servers import ServerError, wait_until_ready
 from bench.workload import RequestPlan, WorkloadError, WorkloadSpec, parse_length_dist, plan_requests, read_prompts_file
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -176,12 +176,12 @@ def run(args: argparse.Namespace) -> int:
         targets = run_compare(names, comparison, opts, out_dir, make_prompts, args.ready_timeout)
     else:
         url = (args.url or DEFAULT_URL).rstrip("/")
-        waited = wait_until_ready(url, args.ready_timeout)
         try:
+            waited = wait_until_ready(url, args.ready_timeout)
             prompts, probes = make_prompts(url, None)
             targets = [run_target(url, url, prompts, opts, probes=probes)]
             targets[0].summary["startup"]["waited_for_ready_seconds"] = waited
-        except (TokenizerError, WorkloadError, OSError) as exc:
+        except (TokenizerError, WorkloadError, OSError, ServerError) as exc:
             targets = [failed_target(url, url, str(exc))]
     meta: dict[str, Any] = {
         "bench_version": 1,

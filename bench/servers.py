@@ -314,11 +314,13 @@ def _error_code(resp: httpx.Response) -> str:
 def wait_until_ready(url: str, timeout: float, poll: float = 1.0) -> float | None:
     """For a server the bench did not start: seconds waited while it warms up (answers, but not ready).
     Returns at once when nothing answers (the requests will report the connection errors); None when
-    it was still warming after `timeout`."""
+    it was still warming after `timeout`. Raises ServerError when it says that its engine failed."""
     start = time.perf_counter()
     with httpx.Client(timeout=5.0) as client:
         while True:
             state = _readiness(client, url.rstrip("/"))
+            if state == "failed":
+                raise ServerError(f"{url} reports that its engine failed (/ready or /health)")
             if state != "warming":
                 return time.perf_counter() - start
             if time.perf_counter() - start > timeout:

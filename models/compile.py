@@ -41,7 +41,7 @@ class CompileSettings:
     recompile_policy: str = "error"  # error | allow
     cache_dir: str = ""  # persistent compile cache; "" -> the backend's default
     inductor_freezing: bool = False  # faster on CPU, but frozen graphs bypass the persistent cache
-    # CPU bf16/fp16 linears through prepacked oneDNN weights (models/prepack.py); ignored where unsupported,
+    # CPU linears through prepacked oneDNN weights (models/prepack.py; float32: steps of 2+ rows); ignored where unsupported,
     # under freezing (which packs inside the graph) and on the Neuron backend.
     weight_prepack: bool = True
     # CPU bf16: bucketserve's own kernels (models/native.py) for decoding rows' attention and linears of 1-4

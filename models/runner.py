@@ -424,8 +424,11 @@ class ModelRunner:
         self.sample_inputs[logits.shape[0]].fill(rows)
         # The sampling graph is compiled for contiguous rows, but a step's logits may come with padded rows:
         # inductor on CUDA pads bf16 rows to 16 bytes (a vocabulary of 420 gives a row stride of 424). A
-        # stride is part of the shape: unpadded here, once per step, where it is padded at all.
-        return self._run_sample(logits.contiguous())
+        # stride is part of the shape: unpadded here, where it is padded at all. Strides, not is_contiguous():
+        # a single padded row counts as contiguous, and .contiguous() keeps its stride.
+        if logits.stride() != (logits.shape[1], 1):
+            logits = logits.clone(memory_format=torch.contiguous_format)
+        return self._run_sample(logits)
 
     def _run_sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
         rows = logits.shape[0]

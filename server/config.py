@@ -225,7 +225,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inductor-freezing", action="store_true", default=d.inductor_freezing,
                         help="freeze weights into inductor graphs (faster; not reusable from the compile cache)")
     parser.add_argument("--weight-prepack", action=argparse.BooleanOptionalAction, default=d.weight_prepack,
-                        help="CPU bfloat16: run linears on weights prepacked once for oneDNN (default on)")
+                        help="CPU: run linears on weights prepacked once for oneDNN (default on; float32: steps "
+                             "of 2+ rows, one-row steps keep the reference's MKL matmul)")
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=d.mixed_steps,
                         help="CPU: carry prompt tokens in the decode steps (one pass over the weights for both; "
                              "default on)")

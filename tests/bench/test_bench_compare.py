@@ -24,6 +24,7 @@ from bench.servers import (
     peak_rss_bytes,
     transformers_command,
     vllm_command,
+    wait_until_ready,
 )
 from bench.workload import LengthDist
 
@@ -118,6 +119,8 @@ def test_server_whose_engine_failed_is_reported_at_once(tmp_path: Path) -> None:
         with pytest.raises(ServerError, match="engine failed") as info:
             server.wait_ready(60)
         assert time.perf_counter() - server.started < 20
+        with pytest.raises(ServerError, match="engine failed"):  # --url: a server the bench did not start
+            wait_until_ready(cmd.url, 60)
     assert "boom" in str(info.value)
 
 

@@ -108,7 +108,13 @@ def test_float32_takes_mkl_for_one_row_and_onednn_for_more(tiny_llama: str, monk
     w = layer.weight.detach()
     one = torch.randn(1, 1, w.shape[1])
     assert torch.equal(torch.ops.bucketserve.linear(one, w, None), nn.functional.linear(one, w))
-    assert torch.equal(layer(one), nn.functional.linear(one, w, layer.bias))
+    op = torch.ops.bucketserve.linear
+    ops: list[int] = []
+    monkeypatch.setattr(torch.ops.bucketserve, "linear", lambda *a: ops.append(1) or op(*a))
+    assert torch.equal(layer(one), nn.functional.linear(one, w, layer.bias)) and ops == []  # F.linear, no op
+    layer(torch.randn(2, w.shape[1]))
+    assert ops == [1]
+    monkeypatch.undo()
     rows = torch.randn(8, w.shape[1])
     torch.testing.assert_close(torch.ops.bucketserve.linear(rows, w, None), nn.functional.linear(rows, w),
                                rtol=1e-5, atol=1e-5)

@@ -134,6 +134,9 @@ def test_logits_with_padded_rows_sample_as_contiguous_ones(compiled) -> None:
     want = [t.clone() for t in runner.sample(padded.contiguous(), rows)]
     got = runner.sample(padded, rows)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    one = torch.randn(1, vocab + 4)[:, :vocab]  # counts as contiguous (one row), yet its stride is vocab + 4
+    assert one.is_contiguous() and one.stride(0) == vocab + 4
+    assert torch.equal(runner.sample(one, [None])[0], runner.sample(one.clone(), [None])[0])
     assert runner.accountant.count("serving") == 0
 
 
