@@ -110,12 +110,17 @@ def packed_for(weight: torch.Tensor, x: torch.Tensor) -> Packed | None:
     return entry if entry is not None and entry.shape == weight.shape and x.dtype == weight.dtype else None
 
 
+def _one_float32_row(x: torch.Tensor) -> bool:
+    """A float32 input of one row: MKL's matmul on the plain weight (the reference's own kernel) is faster there."""
+    return x.dtype is torch.float32 and x.numel() == x.shape[-1]
+
+
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T + bias -> [..., out], through the packed copy when there is one (the
     op's CPU kernel; models/gated_mlp.py calls it directly)."""
     entry = packed_for(weight, x)
-    if entry is None or (x.dtype is torch.float32 and x.numel() == x.shape[-1]):
-        return F.linear(x, weight, bias)  # float32 one-row steps: MKL's, the reference's own kernel, is faster
+    if entry is None or _one_float32_row(x):
+        return F.linear(x, weight, bias)
     kernel = entry.kernel(x.numel() // x.shape[-1]) if x.dtype is torch.bfloat16 and native.enabled() else None
     if kernel is not None:
         out = packed_linear(x if x.is_contiguous() else x.contiguous(), kernel, entry.shape[0])
@@ -139,9 +144,9 @@ class PrepackedLinear(nn.Linear):
     class swap, so hooks, names, tied weights and checkpoints are untouched)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dtype is torch.float32 and input.numel() == input.shape[-1]:
-            # float32 one-row steps: MKL's matmul in the graph itself, as before prepacking (decided when the
-            # graph is traced: shapes are static), without the op's call (~5 us a linear, 211 a step)
+        if _one_float32_row(input):
+            # MKL's matmul in the graph itself, as before prepacking (decided when the graph is traced: shapes
+            # are static), without the op's call (~5 us a linear, 211 a step)
             return F.linear(input, self.weight, self.bias)
         out: torch.Tensor = torch.ops.bucketserve.linear(input, self.weight, self.bias)
         return out
