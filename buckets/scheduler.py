@@ -22,7 +22,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from buckets.steps import ChunkStep, DecodeStep, MixedStep, Piece, PrefillStep, Sequence, Step
 from buckets.table import BucketTable
+
+__all__ = ["ChunkStep", "DecodeStep", "MixedStep", "Piece", "PrefillStep", "QueueFullError", "Scheduler", "Sequence",
+           "Step", "WAITING_SERVED_RATIO"]
 
 WAITING_SERVED_RATIO = 0.0  # off: see Scheduler.waiting_served_ratio
 
@@ -38,135 +42,6 @@ class QueueFullError(RuntimeError):
         super().__init__(f"server busy: the waiting queue is at its limit of {limit} {reason}")
 
 
-@dataclass(eq=False)
-class Sequence:
-    """One request's scheduling state. `position` is where its next token's K/V will be written."""
-
-    request_id: str
-    prompt_len: int
-    max_tokens: int
-    stop_ids: frozenset[int] = frozenset()
-    bucket: int = 0
-    slot: int = -1
-    position: int = 0
-    prefilled: int = 0  # prompt tokens already in the slot's cache (< prompt_len while chunking)
-    num_generated: int = 0
-    last_token: int = -1
-    finish_reason: str | None = None
-    num_chunks: int = 0  # prefill graph calls this prompt took (1 unless chunked)
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.prefilled >= self.prompt_len
-
-
-@dataclass(frozen=True)
-class PrefillStep:
-    """Prefill rows from position 0: whole prompts, or the first chunk (`length` tokens) of a longer one."""
-
-    length: int  # length bucket
-    batch: int  # prefill batch bucket (>= len(seqs))
-    seqs: tuple[Sequence, ...]
-
-    @property
-    def padding_tokens(self) -> int:
-        """Tokens computed for padding: the gap to the bucket per real row plus whole pad rows."""
-        real = sum(min(s.prompt_len, self.length) for s in self.seqs)
-        return self.length * self.batch - real
-
-    @property
-    def sampling_seqs(self) -> tuple[Sequence, ...]:
-        """The rows whose prompt ends in this step: they get their first token from it."""
-        return tuple(s for s in self.seqs if s.prompt_len <= self.length)
-
-
-@dataclass(frozen=True)
-class ChunkStep:
-    """One chunk of a long prompt: tokens [offset, offset + num_tokens) into its slot, padded to `length`
-    (the chunk length), attending over the slot's positions [0, kv)."""
-
-    length: int
-    kv: int
-    offset: int
-    num_tokens: int
-    seq: Sequence
-
-    @property
-    def seqs(self) -> tuple[Sequence, ...]:
-        return (self.seq,)
-
-    @property
-    def is_final(self) -> bool:
-        return self.offset + self.num_tokens >= self.seq.prompt_len
-
-    @property
-    def sampling_seqs(self) -> tuple[Sequence, ...]:
-        return (self.seq,) if self.is_final else ()
-
-    @property
-    def padding_tokens(self) -> int:
-        return self.length - self.num_tokens
-
-
-@dataclass(frozen=True)
-class DecodeStep:
-    batch: int  # decode batch bucket; rows are slots [0, batch)
-    kv: int  # KV-length bucket: attention reads positions [0, kv) of each slot
-    seqs: tuple[Sequence, ...]
-    # (slot, position) of rows inside the batch whose prompt is still being chunked: their dummy token is
-    # written at the slot's first unfilled position, which its next chunk overwrites before anything reads it.
-    parked: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def padding_rows(self) -> int:
-        return self.batch - len(self.seqs)
-
-    @property
-    def sampling_seqs(self) -> tuple[Sequence, ...]:
-        return self.seqs
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Prompt tokens [offset, offset + num_tokens) of `seq` in a mixed step."""
-
-    seq: Sequence
-    offset: int
-    num_tokens: int
-
-    @property
-    def is_final(self) -> bool:
-        return self.offset + self.num_tokens >= self.seq.prompt_len
-
-
-@dataclass(frozen=True)
-class MixedStep:
-    """Decoding rows and prompt pieces on one token axis, padded to the token bucket `tokens`: first one token
-    per row of `decode` (slot order), then each piece's tokens, then padding."""
-
-    tokens: int  # mixed token bucket
-    decode: tuple[Sequence, ...]
-    pieces: tuple[Piece, ...]
-
-    @property
-    def seqs(self) -> tuple[Sequence, ...]:
-        return self.decode + tuple(p.seq for p in self.pieces)
-
-    @property
-    def sampling_seqs(self) -> tuple[Sequence, ...]:
-        """Decoding rows, then the pieces that end their prompt (in that order in the step's logits)."""
-        return self.decode + tuple(p.seq for p in self.pieces if p.is_final)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(p.num_tokens for p in self.pieces)
-
-    @property
-    def padding_tokens(self) -> int:
-        return self.tokens - len(self.decode) - self.prompt_tokens
-
-
-Step = PrefillStep | ChunkStep | DecodeStep | MixedStep
 
 
 @dataclass

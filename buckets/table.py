@@ -9,88 +9,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
 
-Phase = Literal["prefill", "decode", "chunk", "sample", "mixed"]
+from buckets.errors import BatchTooLargeError, BucketError, PromptTooLongError
+from buckets.graph_key import GraphKey, Phase
+from buckets.sizes import parse_sizes, powers_of_two, smallest_at_least, validate_sizes
 
-
-class BucketError(ValueError):
-    """A bucket table was given invalid sizes."""
-
-
-class PromptTooLongError(ValueError):
-    """A prompt (or prompt + generation budget) does not fit the largest bucket or the context."""
-
-    def __init__(self, length: int, limit: int, what: str = "prompt") -> None:
-        self.length = length
-        self.limit = limit
-        self.what = what
-        super().__init__(f"{what} has {length} tokens, more than the limit of {limit} tokens")
-
-
-class BatchTooLargeError(ValueError):
-    """More rows than the largest batch bucket."""
-
-    def __init__(self, rows: int, limit: int) -> None:
-        self.rows = rows
-        self.limit = limit
-        super().__init__(f"batch of {rows} rows exceeds the largest batch bucket {limit}")
-
-
-@dataclass(frozen=True, order=True)
-class GraphKey:
-    """Identifies one compiled graph: prefill graphs by (rows, length bucket), decode graphs by
-    (rows, KV-length bucket): a decode graph attends over the first `length` positions of each slot;
-    chunk graphs (one row, one chunk of the chunk length) by the KV-length bucket they attend over;
-    sampling graphs by the rows of logits they sample (every decode and prefill batch bucket); mixed graphs by
-    (rows of logits = the largest batch bucket, token bucket)."""
-
-    phase: Phase
-    batch: int
-    length: int
-
-    @property
-    def bucket(self) -> str:
-        """Bounded metric label for the bucket this graph serves."""
-        if self.phase == "decode":
-            return f"b{self.batch}_kv{self.length}"
-        if self.phase == "chunk":
-            return f"kv{self.length}"
-        if self.phase == "sample":
-            return f"b{self.batch}"
-        if self.phase == "mixed":
-            return f"t{self.length}"
-        return f"b{self.batch}_l{self.length}"
-
-    def __str__(self) -> str:
-        return f"{self.phase}[{self.bucket}]"
-
-
-def _validate_sizes(name: str, values: tuple[int, ...]) -> None:
-    if not values:
-        raise BucketError(f"{name} must not be empty")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise BucketError(f"{name} holds {v!r}; every size must be a positive integer")
-    if list(values) != sorted(set(values)):
-        raise BucketError(f"{name} {list(values)} must be strictly increasing without duplicates")
-
-
-def powers_of_two(start: int, stop: int) -> tuple[int, ...]:
-    """Powers of two from `start` (rounded up to one) up to `stop`; `stop` itself closes the list
-    when it is not a power of two, so the largest bucket always equals the limit."""
-    if start < 1 or stop < 1:
-        raise BucketError(f"powers_of_two needs positive bounds, got start={start} stop={stop}")
-    out: list[int] = []
-    v = 1
-    while v < start:
-        v *= 2
-    while v < stop:
-        out.append(v)
-        v *= 2
-    out.append(stop)
-    return tuple(out)
-
+__all__ = ["BatchTooLargeError", "BucketError", "BucketTable", "GraphKey", "Phase", "PromptTooLongError", "parse_sizes",
+           "powers_of_two"]
 
 # Shortest default length bucket. On the CPU a short prompt's prefill is cheaper in a smaller bucket (bf16, one
 # thread, SmolLM2-135M: 30 tokens take 32.1 ms in bucket 32 against 40.0 in bucket 64; docs/performance.md) for
@@ -132,9 +58,9 @@ class BucketTable:
         object.__setattr__(self, "lengths", tuple(self.lengths))
         object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
         object.__setattr__(self, "prefill_batch_sizes", tuple(self.prefill_batch_sizes))
-        _validate_sizes("lengths", self.lengths)
-        _validate_sizes("batch_sizes", self.batch_sizes)
-        _validate_sizes("prefill_batch_sizes", self.prefill_batch_sizes)
+        validate_sizes("lengths", self.lengths)
+        validate_sizes("batch_sizes", self.batch_sizes)
+        validate_sizes("prefill_batch_sizes", self.prefill_batch_sizes)
         if self.prefill_batch_sizes[-1] > self.batch_sizes[-1]:
             raise BucketError(
                 f"prefill_batch_sizes {list(self.prefill_batch_sizes)} exceed the largest batch size "
@@ -151,7 +77,7 @@ class BucketTable:
             )
         kv = tuple(self.kv_lengths) or default_kv_lengths(self.context_length)
         object.__setattr__(self, "kv_lengths", kv)
-        _validate_sizes("kv_lengths", kv)
+        validate_sizes("kv_lengths", kv)
         if kv[-1] != self.context_length:
             raise BucketError(
                 f"kv_lengths {list(kv)} must end at the context length {self.context_length} "
@@ -159,7 +85,7 @@ class BucketTable:
             )
         object.__setattr__(self, "mixed_tokens", tuple(self.mixed_tokens))
         if self.mixed_tokens:
-            _validate_sizes("mixed_tokens", self.mixed_tokens)
+            validate_sizes("mixed_tokens", self.mixed_tokens)
             if self.mixed_budget <= self.max_batch or self.mixed_tokens[-1] > self.context_length:
                 raise BucketError(
                     f"the mixed token budget {self.mixed_budget} must exceed the largest batch bucket "
@@ -218,7 +144,7 @@ class BucketTable:
 
     def mixed_for(self, tokens: int) -> int:
         """Smallest mixed token bucket holding `tokens` tokens."""
-        return _smallest_at_least(self.mixed_tokens, tokens)
+        return smallest_at_least(self.mixed_tokens, tokens)
 
     @property
     def sample_batch_sizes(self) -> tuple[int, ...]:
@@ -239,11 +165,11 @@ class BucketTable:
 
     def batch_for(self, rows: int) -> int:
         """Smallest decode batch bucket holding `rows` rows."""
-        return _smallest_at_least(self.batch_sizes, rows)
+        return smallest_at_least(self.batch_sizes, rows)
 
     def prefill_batch_for(self, rows: int) -> int:
         """Smallest prefill batch bucket holding `rows` rows."""
-        return _smallest_at_least(self.prefill_batch_sizes, rows)
+        return smallest_at_least(self.prefill_batch_sizes, rows)
 
     def kv_for(self, positions: int) -> int:
         """Smallest KV-length bucket holding `positions` cache positions (the longest row's position + 1)."""
@@ -398,20 +324,3 @@ def default_mixed_tokens(table: BucketTable) -> tuple[int, ...]:
         tokens += (solo,)
         solo *= 2
     return tokens
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """Parse a comma-separated size list from the command line, e.g. "64,128,256"."""
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise BucketError(f"cannot parse size list {text!r}: {exc}") from exc
-
-
-def _smallest_at_least(sizes: tuple[int, ...], rows: int) -> int:
-    if rows < 1:
-        raise BucketError(f"a batch needs at least one row, got {rows}")
-    for size in sizes:
-        if size >= rows:
-            return size
-    raise BatchTooLargeError(rows, sizes[-1])

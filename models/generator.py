@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.runner import ModelRunner, PrefillRow, ShapeTable
+from models.runner import ModelRunner, PrefillRow
 from models.sampling import Sampler, SamplingParams
+from models.shape_table import ShapeTable
 
 
 @dataclass

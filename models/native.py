@@ -18,165 +18,25 @@ Why kernels of our own (measured in docs/performance.md, one thread):
   256 rows of 576 and ~380 at 1024, the kernel ~31 / ~130 (4-6% of a 128-1024-token prompt's step).
 float32 models keep SDPA and MKL (the reference path, token-identical to transformers); so do other dtypes,
 shapes the kernels do not take, and machines where the build fails (logged once).
-
-The build: `$CC` (default gcc, else cc) with -O3 -march=native (built and run on the same machine; the CPU's
-flags are part of the cache key, so a cache shared by different machines never serves a wrong build) and
-OpenMP when the compiler has it (the library then needs libgomp.so.1, which resolves to the copy PyTorch's CPU
-wheel has already loaded: one thread pool). Output below the compile cache (TORCHINDUCTOR_CACHE_DIR, as the graphs):
-`<cache>/bucketserve-native/<key>/kernels.so`, written to a temporary name and renamed (processes building at
-once do not see a partial file). `--no-native-kernels` turns them off: the runner sets the process-wide switch
-(`configure`), as inductor's settings are process-wide too.
+The library's build and loading: models/native_library.py.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
-
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from models.native_library import available, configure, enabled, has
+from models.native_library import lib as _lib
+from models.native_library import threads as _threads
 
-_CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
-           _CSRC / "piece_attention.c", _CSRC / "linear.c", _CSRC / "rms_norm.c")
-HEADERS = (_CSRC / "vec16.h",)
+__all__ = ["available", "configure", "enabled"]  # the library's switch and build, called through this module
+
 SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
 # Rows the AMX kernel takes (amx_matmul.c): 1.1x oneDNN at 128 rows, 0.96x at 256. One row stays with the small
 # matmul (as fast there, 18.4-18.6 vs 18.4-18.9 ms for SmolLM2's 210 linears, and it needs no AMX).
 AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 128
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # decode_attention.c's MAX_G and 16 * MAX_C
-_FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
-BUILD_TIMEOUT_S = 300
-_LOCK = threading.Lock()
-# "lib": the loaded library (None: unavailable), "parallel": built with OpenMP, "matmul": has the small matmul,
-# "amx": has the AMX matmul and Linux lets this process use the tiles
-_state: dict[str, object] = {}
-_switch = {"on": True}
-
-
-def configure(enabled: bool) -> None:
-    """Use the kernels (True, the default) or PyTorch's SDPA and oneDNN everywhere (False), for this process."""
-    _switch["on"] = enabled
-
-
-def enabled() -> bool:
-    return _switch["on"]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-
-
-def _cache_dir() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir()) / "bucketserve-native"
-
-
-def _build(cc: str, out: Path) -> None:
-    """Compile SOURCES into `out` (with OpenMP when the compiler has it, else without)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for extra in (("-fopenmp",), ()):
-        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *_FLAGS, *extra, *map(str, SOURCES), "-o", tmp], capture_output=True,
-                                  text=True, timeout=BUILD_TIMEOUT_S)
-            if done.returncode == 0:
-                os.chmod(tmp, 0o755)  # mkstemp makes it 0600: another user sharing the cache could not load it
-                os.replace(tmp, out)  # atomic: a process loading at the same time sees the whole file or none
-                return
-            log.debug("native kernels build with %s failed: %s", extra or "no OpenMP", done.stderr[-2000:])
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise RuntimeError(f"{cc} could not build {', '.join(p.name for p in SOURCES)}")
-
-
-def _load() -> None:
-    """Build (once per machine and source) and load the kernels into _state; on any failure (no compiler, a
-    read-only cache, a failed build) record None, log it once, and let the callers use SDPA and oneDNN."""
-    _state.update(lib=None, parallel=False, matmul=False, amx=False)
-    try:
-        cc = _compiler()
-        if cc is None:
-            raise RuntimeError("no C compiler (set CC)")
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        sources = "\0".join(p.read_text() for p in (*SOURCES, *HEADERS))
-        key = hashlib.sha256("\0".join((sources, cc, version, " ".join(_FLAGS), platform.machine(),
-                                        _cpu_flags())).encode()).hexdigest()[:20]
-        path = _cache_dir() / key / "kernels.so"
-        if not path.exists():
-            _build(cc, path)
-        lib = ctypes.CDLL(str(path))
-    except Exception as exc:  # noqa: BLE001  any failure here means: run without the kernels
-        log.warning("native kernels unavailable (%s); using SDPA and oneDNN", exc)
-        return
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.bucketserve_decode_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                                      ctypes.c_float, ctypes.c_int]
-    lib.bucketserve_decode_attention_bf16.restype = ctypes.c_int
-    lib.bucketserve_small_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    lib.bucketserve_small_matmul_bf16.restype = ctypes.c_int
-    lib.bucketserve_mask_extents.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr]
-    lib.bucketserve_mask_extents.restype = ctypes.c_int
-    lib.bucketserve_amx_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    lib.bucketserve_amx_matmul_bf16.restype = ctypes.c_int
-    lib.bucketserve_amx_matmul_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    lib.bucketserve_amx_matmul_q8.restype = ctypes.c_int
-    lib.bucketserve_piece_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, *[i64] * 11, ctypes.c_float, ctypes.c_int]
-    lib.bucketserve_piece_attention_bf16.restype = ctypes.c_int
-    lib.bucketserve_decode_attention_masked.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int,
-                                                        *[i64] * 7, ctypes.c_float, ctypes.c_int]
-    lib.bucketserve_decode_attention_masked.restype = ctypes.c_int
-    lib.bucketserve_linear_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    lib.bucketserve_linear_bf16.restype = ctypes.c_int
-    lib.bucketserve_gated_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int,
-                                           ctypes.c_int]
-    lib.bucketserve_gated_bf16.restype = ctypes.c_int
-    lib.bucketserve_rms_norm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
-    lib.bucketserve_rms_norm_bf16.restype = ctypes.c_int
-    _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
-                  matmul=bool(lib.bucketserve_small_matmul_supported()), amx=bool(lib.bucketserve_amx_supported()))
-    log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
-             _state["matmul"], _state["amx"])
-
-
-def available() -> bool:
-    """The kernels are switched on, built and loaded (building them on the first call)."""
-    if not enabled():
-        return False
-    if "lib" not in _state:
-        with _LOCK:
-            if "lib" not in _state:
-                _load()
-    return _state["lib"] is not None
-
-
-def _threads() -> int | None:
-    """The compute threads to use, or None when the build is serial and PyTorch would use more threads."""
-    threads = torch.get_num_threads()
-    return None if threads > 1 and not _state["parallel"] else threads
 
 
 def _decode_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -284,7 +144,7 @@ def mask_extents(rows: torch.Tensor) -> tuple[tuple[int, ...], bool] | None:
 
 def amx_available() -> bool:
     """The kernels are available and this CPU and process can run the AMX matmul."""
-    return available() and bool(_state["amx"])
+    return available() and has("amx")
 
 
 def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -319,7 +179,7 @@ def amx_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def small_matmul_takes(weight: torch.Tensor) -> bool:
     """small_matmul can read this weight as it is: [N, K] bf16, contiguous, K a multiple of 32, N of 16."""
     return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.is_contiguous()
-            and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0 and available() and bool(_state["matmul"]))
+            and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0 and available() and has("matmul"))
 
 
 # (kind, weight copy's address, scales' address or 0): what linear.c's entries read. kind 0: the small matmul on
@@ -407,9 +267,3 @@ def _checked(rows: torch.Tensor, kernel: Kernel, n: int, bias: torch.Tensor | No
     their checks: packed_linear (+ bias)."""
     out = packed_linear(rows.contiguous(), kernel, n)
     return out if out is None or bias is None else out.add_(bias)
-
-
-def _lib() -> ctypes.CDLL:
-    lib = _state["lib"]
-    assert isinstance(lib, ctypes.CDLL)
-    return lib

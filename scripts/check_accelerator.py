@@ -90,7 +90,7 @@ def verify_line(report: Path) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda", "neuron"])
-    p.add_argument("--shape-dir", required=True, help="config.json + tokenizer of the model to imitate")
+    p.add_argument("--shape-dir", default="", help="config.json + tokenizer of the model to imitate (the bench step)")
     p.add_argument("--out", default="results/accelerator")
     p.add_argument("--work", default="/tmp/bucketserve-accelerator", help="where the checkpoints are built")
     p.add_argument("--steps", default="verify-f32,verify-bf16,bench")
@@ -101,6 +101,8 @@ def main() -> int:
     p.add_argument("--collect", default="", help="copy the summaries and logs here, flat, after each step")
     p.add_argument("--bench-args", default="", help="more arguments for the served engine")
     args = p.parse_args()
+    if "bench" in args.steps.split(",") and not args.shape_dir:
+        p.error("the bench step needs --shape-dir")
     out, work = Path(args.out).resolve(), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)

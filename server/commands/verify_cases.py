@@ -25,30 +25,37 @@ class Case:
         return len(self.ids)
 
 
-def _lengths(table: BucketTable, max_tokens: int) -> list[tuple[str, int]]:
-    """(reason, prompt length) pairs: 1, b-1, b, b+1 per length bucket; c*m-1, c*m, c*m+1 at chunk multiples;
-    a prompt that makes generation cross each KV bucket but the last."""
+def _lengths(table: BucketTable, max_tokens: int) -> list[tuple[str, int, int]]:
+    """(reason, prompt length, tokens to generate): 1, b-1, b, b+1 per length bucket; c*m-1, c*m, c*m+1 at chunk
+    multiples; a prompt that makes generation cross each KV bucket but the last. Lengths the table does not admit
+    are left out, except a KV crossing: where its prompt would be too long (a table without chunked prefill whose
+    prompts stop below a KV bucket), the longest admitted prompt generates as many tokens as the crossing needs."""
     # Without chunked prefill the largest length bucket is the longest prompt the table admits.
     longest = table.context_length if table.chunk_length else table.max_length
     limit = min(table.context_length - max_tokens, longest)
-    out: list[tuple[str, int]] = []
+    out: list[tuple[str, int, int]] = []
     for b in table.lengths:
         for label, n in (("1", 1), ("b-1", b - 1), ("b", b), ("b+1", b + 1)):
-            out.append((f"length {b}: {label}", n))
+            out.append((f"length {b}: {label}", n, max_tokens))
     c = table.chunk_length
     if c:
         multiples = sorted({2, 3, table.context_length // c})
         for m in multiples:
             for label, n in (("c*m-1", m * c - 1), ("c*m", m * c), ("c*m+1", m * c + 1)):
-                out.append((f"chunks of {c}, m={m}: {label}", n))
+                out.append((f"chunks of {c}, m={m}: {label}", n, max_tokens))
     for kv in table.kv_lengths[:-1]:
-        out.append((f"decode crosses KV {kv}", kv - max_tokens // 2))
+        n = kv - max_tokens // 2
+        if n > limit and limit >= 1 and kv + max_tokens // 2 <= table.context_length:
+            # generation crosses kv by as many tokens as a plain crossing case does
+            out.append((f"decode crosses KV {kv} (long generation)", limit, kv + max_tokens // 2 - limit))
+        else:
+            out.append((f"decode crosses KV {kv}", n, max_tokens))
     seen: set[int] = set()
     unique = []
-    for reason, n in out:
-        if 1 <= n <= limit and n not in seen:
+    for reason, n, tokens in out:
+        if 1 <= n <= limit and (n not in seen or tokens != max_tokens):
             seen.add(n)
-            unique.append((reason, n))
+            unique.append((reason, n, tokens))
     return unique
 
 
@@ -58,8 +65,8 @@ def plan_cases(table: BucketTable, tokens: list[int], max_tokens: int, num_promp
     if not tokens:
         raise ValueError("verify needs a non-empty token source")
     cases = []
-    for i, (reason, n) in enumerate(_lengths(table, max_tokens)):
+    for i, (reason, n, generate) in enumerate(_lengths(table, max_tokens)):
         start = (i * 7919) % len(tokens)
         ids = tuple(tokens[(start + j) % len(tokens)] for j in range(n))
-        cases.append(Case(reason, ids, max_tokens, wave=1 if i % 3 == 2 else 0, logprobs=i % 2 == 0))
+        cases.append(Case(reason, ids, generate, wave=1 if i % 3 == 2 else 0, logprobs=i % 2 == 0))
     return cases[:num_prompts] if num_prompts > 0 else cases

@@ -246,7 +246,7 @@ def test_torch_without_ahead_of_time_compile_compiles_in_process(tiny_llama: str
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """An older torch (no `aot_compile`: the torch 2.11 of a GPU image) still serves inductor graphs: compiled
     in this process through torch.compile, nothing saved, fail-closed after warm-up as ever."""
-    monkeypatch.setattr("models.runner.aot_available", lambda: False)
+    monkeypatch.setattr("models.graph_set.aot_available", lambda: False)
     torch.set_num_threads(1)
     runner = _runner(tiny_llama, tmp_path / "cache")
     assert not runner.aot and runner.store is None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from buckets import BucketTable
-from models import native
+from models import native, native_library
 from models.compile import CompileSettings
 from models.generator import generate_one
 from models.loading import load_model
@@ -87,7 +87,7 @@ def test_int8_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPa
     assert native.int8_matmul(torch.randn(4, 64).bfloat16(), q, scale[:32]) is None  # a scale per column
     assert native.int8_pack(torch.randn(48, 64).bfloat16()) is None  # N % 32
     assert native.int8_pack(torch.randn(96, 64)) is None  # float32 weights are never quantized
-    monkeypatch.setitem(native._switch, "on", False)
+    monkeypatch.setitem(native_library._switch, "on", False)
     assert native.int8_matmul(torch.randn(4, 64).bfloat16(), q, scale) is None  # --no-native-kernels
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import native
+from models import native, native_library
 from models.attention import mixed_plan, packed_sdpa
 from models.prepack import prepack
 from tests.models.test_attention import FakeAttention
@@ -78,7 +78,7 @@ def test_kernel_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) 
     q16, k16 = q.bfloat16(), k.bfloat16()
     with pytest.raises(ValueError, match="out of range"):
         native.decode_attention(q16, k16, k16, slots, np.array([5, 33]), 0.125)
-    monkeypatch.setitem(native._switch, "on", False)
+    monkeypatch.setitem(native_library._switch, "on", False)
     assert native.decode_attention(q16, k16, k16, slots, ext, 0.125) is None
 
 
@@ -116,7 +116,7 @@ def test_decode_step_attention_uses_the_kernel_and_matches_sdpa(monkeypatch: pyt
     k, v = _poisoned_cache(4, kv, context, dim, dict(enumerate(extents)))
     ours, _ = packed_sdpa(FakeAttention(), q, k, v, _decode_mask(extents, context), scaling=dim ** -0.5)
     assert kernel_calls == [True] and torch.isfinite(ours).all()  # one call: the entry that reads the mask
-    monkeypatch.setitem(native._switch, "on", False)
+    monkeypatch.setitem(native_library._switch, "on", False)
     clean_k, clean_v = torch.nan_to_num(k), torch.nan_to_num(v)
     sdpa, _ = packed_sdpa(FakeAttention(), q, clean_k, clean_v, _decode_mask(extents, context), scaling=dim ** -0.5)
     assert kernel_calls == [True, False, False]  # both entries declined: SDPA
@@ -159,7 +159,7 @@ def test_mixed_step_decoding_rows_use_the_kernel(monkeypatch: pytest.MonkeyPatch
     k, v = torch.randn(4, kv, context, dim).to(torch.bfloat16), torch.randn(4, kv, context, dim).to(torch.bfloat16)
     ours = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
     assert kernel_calls == [True]
-    monkeypatch.setitem(native._switch, "on", False)
+    monkeypatch.setitem(native_library._switch, "on", False)
     sdpa = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
     torch.testing.assert_close(ours.float(), sdpa.float(), rtol=1e-2, atol=1e-2)
     assert not ours[:, :, 5:].any()  # padding (the prompt piece has a kernel of its own: test_piece_attention.py)
@@ -263,7 +263,7 @@ def test_amx_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPat
     assert native.amx_pack(torch.randn(48, 64).bfloat16()) is None  # N % 32
     assert native.amx_pack(torch.randn(96, 40).bfloat16()) is None  # K % 32
     assert native.amx_pack(w.float()) is None
-    monkeypatch.setitem(native._switch, "on", False)
+    monkeypatch.setitem(native_library._switch, "on", False)
     assert native.amx_matmul(torch.randn(4, 64).bfloat16(), packed) is None  # --no-native-kernels
 
 
@@ -317,8 +317,8 @@ def test_mask_extents_scan_equals_the_numpy_scan(dtype: torch.dtype, monkeypatch
         mask[r, 0, 0, list(seen)] = 0.0
     got = _extents(mask)
     assert native.mask_extents(mask[:, 0, -1]) is not None  # the C scan ran
-    monkeypatch.setitem(native._switch, "on", False)
+    monkeypatch.setitem(native_library._switch, "on", False)
     assert got == _extents(mask) == ((5, 1, 20, 8, width, width), False)
-    monkeypatch.setitem(native._switch, "on", True)
+    monkeypatch.setitem(native_library._switch, "on", True)
     prefixes = mask[[0, 1, 5]]
     assert _extents(prefixes) == ((5, 1, width), True)

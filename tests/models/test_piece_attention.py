@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from models import native
+from models import native, native_library
 from models.attention import packed_sdpa, register
 from tests.models.test_attention import FakeAttention
 from tests.models.test_native_kernels import threads  # noqa: F401 (the fixture: 1 and 2 threads)
@@ -67,7 +67,7 @@ def test_kernel_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) 
     assert not native.piece_attention(q16[..., :48], k16[..., :48], k16[..., :48], o16[..., :48], 0, 0.1)  # D % 32
     assert not native.piece_attention(q16, k16, k16, o16, 25, 0.125)  # 25 + 8 positions > the 32 there are
     assert not native.piece_attention(q16[:3], k16, k16, o16[:3], 0, 0.125)  # 3 heads over 2 KV heads
-    monkeypatch.setitem(native._switch, "on", False)
+    monkeypatch.setitem(native_library._switch, "on", False)
     assert not native.piece_attention(q16, k16, k16, o16, 0, 0.125)
 
 
@@ -98,7 +98,7 @@ def test_mixed_step_prompt_pieces_use_the_kernel(monkeypatch: pytest.MonkeyPatch
     k, v = torch.randn(4, kv, context, dim).bfloat16(), torch.randn(4, kv, context, dim).bfloat16()
     ours = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
     assert piece_calls == [True, True]
-    monkeypatch.setitem(native._switch, "on", False)
+    monkeypatch.setitem(native_library._switch, "on", False)
     sdpa = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
     assert piece_calls == [True, True, False, False]
     torch.testing.assert_close(ours.float(), sdpa.float(), rtol=2e-2, atol=2e-2)

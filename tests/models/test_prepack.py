@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from buckets import BucketTable
-from models import native
+from models import native_library
 from models.compile import CompileSettings
 from models.generator import generate_one
 from models.loading import load_model
@@ -42,7 +42,7 @@ def test_prepacked_model_gives_the_same_logits(tiny_llama: str) -> None:
 
 def test_the_packed_copy_is_what_runs_and_is_dropped_with_its_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     # oneDNN on the packed copy, bit for bit: the small-row native matmul (which sums in another order) is off
-    monkeypatch.setitem(native._switch, "on", False)
+    monkeypatch.setitem(native_library._switch, "on", False)
     torch.manual_seed(0)
     layer = nn.Linear(32, 48, bias=True).to(torch.bfloat16).requires_grad_(False)
     x = torch.randn(3, 1, 32, dtype=torch.bfloat16)

@@ -31,6 +31,18 @@ def test_cases_stay_within_the_largest_bucket_without_chunked_prefill() -> None:
     assert max(lengths) == 64 and {63, 9, 33} <= lengths
 
 
+def test_kv_crossings_beyond_the_longest_prompt_come_from_long_generations() -> None:
+    # Without chunked prefill prompts stop at 64 tokens, below KV 128 and 256: a crossing case cannot come from
+    # the prompt, so the longest prompt generates until it has crossed (before: the cases were dropped, unlisted).
+    table = BucketTable(lengths=(8, 16, 32, 64), context_length=512, kv_lengths=(32, 128, 256, 512))
+    cases = plan_cases(table, list(range(100, 400)), max_tokens=10)
+    long = {c.name: (c.prompt_len, c.max_tokens) for c in cases if c.max_tokens != 10}
+    assert long == {"decode crosses KV 128 (long generation)": (64, 69),
+                    "decode crosses KV 256 (long generation)": (64, 197)}
+    assert any(c.name == "decode crosses KV 32" and c.prompt_len == 27 for c in cases)
+    assert all(c.prompt_len + c.max_tokens <= 512 for c in cases)
+
+
 def test_cases_cover_buckets_chunks_kv_crossings_and_waves() -> None:
     table = BucketTable(lengths=(8, 16), context_length=64, kv_lengths=(24, 32, 64), chunked_prefill=True)
     cases = plan_cases(table, list(range(100, 400)), max_tokens=10)
@@ -55,14 +67,14 @@ def test_verify_passes_on_the_serving_path(tiny_llama: str, tmp_path: Path) -> N
 
 def test_verify_catches_an_off_by_one_decode_mask(tiny_llama: str, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import models.runner
+    import models.step_functions
 
-    real = models.runner.decode_mask
+    real = models.step_functions.decode_mask
 
     def shifted(pos, kv_length, *args):  # the planted defect: each row stops seeing its newest token
         return real(pos - 1, kv_length, *args)
 
-    monkeypatch.setattr(models.runner, "decode_mask", shifted)
+    monkeypatch.setattr(models.step_functions, "decode_mask", shifted)
     code, report = verify(tiny_llama, tmp_path)
     assert code == 1 and report["verdict"] == "FAIL"
     failing = {c["bucket"] for c in report["cases"] if c["first_divergence"] is not None}

@@ -1,0 +1,61 @@
+"""The CPU module swaps a runner makes before it compiles anything: prepacked linears, fused gated MLPs and native
+RMSNorms (class swaps on the loaded model: same parameters, same module tree; each module's docstring says why).
+Which apply depends on the device, dtype and settings: none on an accelerator or under tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from models import native
+from models.compile import CompileSettings
+from models.gated_mlp import fuse_gated_mlps
+from models.prepack import prepack
+from models.prepack import supported as prepack_supported
+from models.rms_norm import swap_rms_norms
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModuleSwaps:
+    """How many of each swap the model got (0: none)."""
+
+    prepacked: int  # distinct linear weights with a packed copy (models/prepack.py)
+    fused_mlps: int  # gated SiLU MLPs as one op (models/gated_mlp.py)
+    native_norms: int  # RMSNorms of prompt-sized steps in one C call (models/rms_norm.py)
+
+
+def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int) -> ModuleSwaps:
+    """Make the swaps `settings` ask for and the model's device and dtype allow. Raises ValueError for
+    --quantize int8 where its copies cannot live (not the CPU, bfloat16, one rank and prepacked linears)."""
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    # Packed weights live outside the graphs (the graphs call bucketserve::linear with the plain weight);
+    # freezing packs inside the graph instead, Neuron compiles its own matmuls, a TP shard is a DTensor.
+    wants_prepack = settings.weight_prepack and not settings.inductor_freezing and settings.backend != "neuron" \
+        and tp_size == 1
+    native.configure(settings.native_kernels)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        native.available()  # build (once per machine) or load the kernels now, not in the first request's step
+    int8 = settings.quantize == "int8"
+    if int8 and not (wants_prepack and dtype == torch.bfloat16 and device.type == "cpu"):
+        raise ValueError("--quantize int8 needs the CPU, bfloat16, one rank, weight prepacking on and inductor "
+                         "freezing off (its int8 copies live beside the prepacked weights)")
+    prepacked = prepack(model, settings.quantize) if wants_prepack and prepack_supported(dtype, device) else 0
+    if prepacked:
+        third = ""
+        if int8:
+            third = " and weight-only int8 for steps of 1-128 rows (a third copy, half the bytes of bf16)"
+        elif dtype == torch.bfloat16 and native.amx_available():
+            third = " and the AMX matmul (a third)"
+        log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", prepacked, third)
+    # Prompt-sized steps fuse silu and the product into oneDNN. Not in float32: its fused epilogues would apply
+    # swish where the reference rounds first.
+    fused = fuse_gated_mlps(model) if prepacked and dtype != torch.float32 else 0
+    # bf16 RMSNorms of prompt-sized steps in one C call; decode steps keep inductor's.
+    norms = swap_rms_norms(model) if prepacked and dtype == torch.bfloat16 and native.available() else 0
+    return ModuleSwaps(prepacked, fused, norms)

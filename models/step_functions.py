@@ -1,0 +1,103 @@
+"""The step functions a runner compiles, one per phase: what one graph call computes, from its inputs to its
+logits (or sampled ids). Pure functions of (model, cache, inputs): the runner fills the inputs, picks the cache of
+the graph key, and calls them compiled (models/graph_set.py); no state of their own.
+
+Shapes at the boundaries are given per function; every shape is static for a graph key (the bucket table's).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from models.masks import chunk_mask, decode_mask
+from models.sample_graph import SampleInputs, sample_rows
+from models.slot_cache import ChunkCache, DecodeCache, MixedCache, PrefillCache
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """A prompt to prefill: its tokens go to positions 0.. of `slot`."""
+
+    slot: int
+    token_ids: list[int]
+
+
+def prefill_step(
+    model: torch.nn.Module, cache: PrefillCache, input_ids: torch.Tensor, last_idx: torch.Tensor
+) -> torch.Tensor:
+    """input_ids: [P, L] right-padded; last_idx: [P, 1] index of each row's last real token.
+    Returns logits [P, V] at those positions (the lm_head runs on P rows, not P * L)."""
+    rows, length = input_ids.shape
+    position_ids = torch.arange(length, device=input_ids.device).view(1, length).expand(rows, length)
+    out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=last_idx)
+    logits: torch.Tensor = out.logits[:, 0]
+    return logits
+
+
+def make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None) -> Callable[..., torch.Tensor]:
+    def _decode_step(
+        model: torch.nn.Module, cache: DecodeCache, input_ids: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids: [b, 1]; pos: [b] per-slot write positions (< cache.kv_length). Returns logits [b, V]."""
+        cache.write_pos.copy_(pos)
+        mask = decode_mask(pos, cache.kv_length, dtype, kinds, window)
+        out = model(input_ids=input_ids, position_ids=pos.view(-1, 1), attention_mask=mask, cache=cache, use_cache=True)
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
+
+    return _decode_step
+
+
+def make_chunk_step(dtype: torch.dtype, kinds: list[str], window: int | None) -> Callable[..., torch.Tensor]:
+    def _chunk_step(
+        model: torch.nn.Module, cache: ChunkCache, input_ids: torch.Tensor, slot: torch.Tensor,
+        offset: torch.Tensor, last_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids: [1, c] (right-padded chunk); slot, offset: [1] long; last_idx: [1, 1] index of the
+        chunk's last real token. Returns logits [1, V] there (used only when the chunk ends the prompt)."""
+        cache.slot.copy_(slot)
+        cache.offset.copy_(offset)
+        chunk = input_ids.shape[1]
+        positions = (offset.view(1, 1) + torch.arange(chunk, device=input_ids.device).view(1, chunk))
+        mask = chunk_mask(offset, chunk, cache.kv_length, dtype, kinds, window)
+        out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                    logits_to_keep=last_idx)
+        logits: torch.Tensor = out.logits[:, 0]
+        return logits
+
+    return _chunk_step
+
+
+def mixed_step(model: torch.nn.Module, cache: MixedCache, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """input_ids, positions: [1, T] tokens of several slots on one axis; meta: [T, 2] (slot, position) per
+    token; keep: [R] indices of the tokens whose logits are wanted. Returns logits [R, V]. The meta tensor goes
+    in as the 4-D "mask" (transformers passes 4-D masks through untouched): the attention op reads it."""
+    cache.meta.copy_(meta)
+    mask = cache.meta.view(1, 1, -1, 2)
+    out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                logits_to_keep=keep)
+    logits: torch.Tensor = out.logits[0]
+    return logits
+
+
+def sample_step(model: torch.nn.Module, logits: torch.Tensor, inputs: SampleInputs) -> tuple[torch.Tensor, ...]:
+    """The sampling graph (model unused: every step function takes it first)."""
+    return sample_rows(logits, inputs)
+
+
+def vocab_size(model: Any) -> int:
+    """Width of the logits: the output embedding's rows (the config's vocab_size when there is none)."""
+    out = model.get_output_embeddings()
+    return int(out.weight.shape[0]) if out is not None else int(model.config.vocab_size)
+
+
+def fresh_copy(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
+    """A copy of `fn` with its own code object. Dynamo keeps compiled graphs and the recompile budget per
+    code object, so each runner gets graphs (and compile counts) of its own."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{suffix}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
