@@ -6,7 +6,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from server.config import SettingsError, add_server_arguments, settings_from_args
+from server.arguments import add_server_arguments, settings_from_args
+from server.config import SettingsError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from chart_support import SCENARIOS, Render, container, deep_merge, env_values, one
 
-from server.config import ServerSettings, add_server_arguments, env_name, settings_from_args
+from server.arguments import add_server_arguments, env_name, settings_from_args
+from server.config import ServerSettings
 
 jsonschema = pytest.importorskip("jsonschema", reason="pip install jsonschema")
 

@@ -5,7 +5,8 @@ import argparse
 import pytest
 
 from buckets import GraphKey
-from server.config import ServerSettings, SettingsError, add_server_arguments, settings_from_args
+from server.arguments import add_server_arguments, settings_from_args
+from server.config import ServerSettings, SettingsError
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> ServerSettings:
