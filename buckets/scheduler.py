@@ -42,8 +42,6 @@ class QueueFullError(RuntimeError):
         super().__init__(f"server busy: the waiting queue is at its limit of {limit} {reason}")
 
 
-
-
 @dataclass
 class Scheduler:
     table: BucketTable

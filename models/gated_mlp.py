@@ -10,7 +10,7 @@ the small matmul) run both matmuls, silu and the product in one C call (models/c
 work is a few microseconds a layer, but as four PyTorch-level calls its Python cost was ~20 us a layer.
 
 Numerics: the fused epilogues apply swish to the fp32 sums before rounding to bf16, where eager rounds first (bf16
-outputs differ by a rounding step); only bf16 / fp16 models are fused (models/runner.py): float32 stays the reference.
+outputs differ by a rounding step); only bf16 / fp16 models are fused (models/module_swaps.py): float32 stays the reference.
 """
 
 from __future__ import annotations

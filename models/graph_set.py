@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import time
+import types
 from typing import Any, Callable
 
 import torch
@@ -30,13 +31,21 @@ from models.compile import (
     fail_on_recompile,
     resolve_backend,
 )
-from models.step_functions import fresh_copy
 
 log = logging.getLogger(__name__)
 _set_ids = itertools.count()
 
 
+def fresh_copy(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
+    """A copy of `fn` with its own code object. Dynamo keeps compiled graphs and the recompile budget per
+    code object, so each graph set (one per runner) gets graphs and compile counts of its own."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{suffix}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 class GraphSet:
+    """The graphs of one runner, by graph key (module docstring: how they are compiled, saved and called)."""
+
     def __init__(self, model: torch.nn.Module, settings: CompileSettings, accountant: CompileAccountant,
                  num_keys: int, fns: dict[str, Callable[..., Any]]) -> None:
         """fns: the step function of each phase (a key's `phase` picks it: prefill, decode, chunk, mixed, sample)."""
@@ -64,7 +73,6 @@ class GraphSet:
                 accountant.probe_dir = settings.cache_dir  # NEFFs land there on a miss
             accountant.cache_enabled = bool(settings.cache_dir)
             backend = accountant.wrap(resolve_backend(settings.backend))
-            # Dynamo keeps compiled graphs and the recompile budget per code object: each set its own.
             suffix = str(next(_set_ids))
             self.fns = {phase: compile_step(fresh_copy(fn, suffix), backend) for phase, fn in fns.items()}
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from models.native_library import available, configure, enabled, has
+from models.native_library import available as available
+from models.native_library import configure as configure
+from models.native_library import enabled as enabled
+from models.native_library import has
 from models.native_library import lib as _lib
 from models.native_library import threads as _threads
-
-__all__ = ["available", "configure", "enabled"]  # the library's switch and build, called through this module
 
 SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
 # Rows the AMX kernel takes (amx_matmul.c): 1.1x oneDNN at 128 rows, 0.96x at 256. One row stays with the small

@@ -16,7 +16,7 @@ import torch
 
 from models.artifacts import GraphStore
 from models.compile import CompileAccountant, CompileSettings, RecompileError
-from models.graph_builders import GraphBuilder, Pending, collect, share_out
+from models.graph_builder import GraphBuilder, Pending, collect, share_out
 from models.graph_set import GraphSet
 from models.masks import sliding_window
 from models.module_swaps import swap_modules
@@ -42,6 +42,9 @@ class WarmupCancelled(RuntimeError):
 
 
 class ModelRunner:
+    """The model, its slot cache and its graphs: warm-up, then one graph call a step (prefill, decode, chunk,
+    mixed, sample), refusing any shape outside the table."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -91,8 +94,10 @@ class ModelRunner:
         self.sample_inputs = {rows: SampleInputs.allocate(rows, self.device) for rows in table.sample_batch_sizes}
         self.vocab_size = vocab_size(model)
         kinds, window = self.storage.layer_types, sliding_window(model.config)
-        fns: dict[str, Callable[..., Any]] = {"prefill": prefill_step, "decode": make_decode_step(self.dtype, kinds, window),
-               "chunk": make_chunk_step(self.dtype, kinds, window), "mixed": mixed_step, "sample": sample_step}
+        fns: dict[str, Callable[..., Any]] = {
+            "prefill": prefill_step, "decode": make_decode_step(self.dtype, kinds, window),
+            "chunk": make_chunk_step(self.dtype, kinds, window), "mixed": mixed_step, "sample": sample_step,
+        }
         self.graphs = GraphSet(model, compile_settings, self.accountant, len(self.keys), fns)
         self._warming = False
         # Under tensor parallelism every rank must run every graph in step (its collectives pair up across
@@ -111,6 +116,7 @@ class ModelRunner:
 
     @property
     def fingerprint(self) -> str:
+        """What the saved graphs must have been built for (models/artifacts.model_fingerprint); "": no store."""
         return self.graphs.fingerprint
 
     @property
@@ -244,6 +250,7 @@ class ModelRunner:
 
     @property
     def _skip_loaded(self) -> bool:
+        """Warm-up on one rank: a graph loaded from a sound artifact need not run (GraphSet.call)."""
         return self._warming and not self._in_mesh
 
     def _run_decode(self, batch: int, kv: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

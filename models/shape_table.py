@@ -8,6 +8,8 @@ from typing import Any, Iterable, Protocol
 
 
 class ShapeTable(Protocol):
+    """The sizes a runner allocates and compiles for (buckets.BucketTable's docstrings say what each is)."""
+
     @property
     def lengths(self) -> tuple[int, ...]: ...
     @property

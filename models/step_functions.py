@@ -1,13 +1,13 @@
 """The step functions a runner compiles, one per phase: what one graph call computes, from its inputs to its
-logits (or sampled ids). Pure functions of (model, cache, inputs): the runner fills the inputs, picks the cache of
-the graph key, and calls them compiled (models/graph_set.py); no state of their own.
+logits (or sampled ids). Functions of (model, cache, inputs) with no state of their own: they write the step's
+positions into the cache's index buffers and the model writes K/V into the slot buffers; the runner fills the
+inputs, picks the cache of the graph key, and calls them compiled (models/graph_set.py).
 
 Shapes at the boundaries are given per function; every shape is static for a graph key (the bucket table's).
 """
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -94,10 +94,3 @@ def vocab_size(model: Any) -> int:
     """Width of the logits: the output embedding's rows (the config's vocab_size when there is none)."""
     out = model.get_output_embeddings()
     return int(out.weight.shape[0]) if out is not None else int(model.config.vocab_size)
-
-
-def fresh_copy(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
-    """A copy of `fn` with its own code object. Dynamo keeps compiled graphs and the recompile budget per
-    code object, so each runner gets graphs (and compile counts) of its own."""
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{suffix}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)

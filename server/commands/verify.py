@@ -44,8 +44,8 @@ class CaseReport:
     bucket: int
     prompt_len: int
     wave: int
-    matched: int  # tokens equal to the reference before the first divergence
-    total: int
+    matched: int  # tokens equal to the reference before the first divergence, of the `total` scored
+    total: int  # tokens the agreement score counts for this case (Case.scored)
     first_divergence: int | None  # index of the first differing token; None when equal
     max_logprob_diff: float | None
     error: str = ""
@@ -108,16 +108,17 @@ async def engine_outcomes(engine: Any, cases: list[Case], timeout: float = 600.0
 def compare(table: BucketTable, cases: list[Case], ours: list[Outcome], ref: list[Outcome]) -> list[CaseReport]:
     reports = []
     for case, got, want in zip(cases, ours, ref):
-        matched = 0
+        agree = 0
         for a, b in zip(got.tokens, want.tokens):
             if a != b:
                 break
-            matched += 1
+            agree += 1
         equal = got.tokens == want.tokens and not got.error
+        scored = case.scored or case.max_tokens  # the agreement score's share of this case (Case.scored)
         diffs = [abs(lp - want.first_logprobs[t]) for t, lp in got.first_logprobs.items() if t in want.first_logprobs]
-        reports.append(CaseReport(case.name, table.length_for(case.prompt_len), case.prompt_len, case.wave, matched,
-                                  len(want.tokens), None if equal else matched, max(diffs) if diffs else None,
-                                  got.error))
+        reports.append(CaseReport(case.name, table.length_for(case.prompt_len), case.prompt_len, case.wave,
+                                  min(agree, scored), min(len(want.tokens), scored), None if equal else agree,
+                                  max(diffs) if diffs else None, got.error))
     return reports
 
 

@@ -19,6 +19,9 @@ class Case:
     max_tokens: int
     wave: int  # 0: submitted at once at the start; 1: joins once wave 0 is decoding
     logprobs: bool  # ask for logprobs (the sampling graph's path) or not (the argmax path)
+    # Tokens that count toward the agreement score: verify's --max-tokens, also for a long generation (whose
+    # hundreds of tokens would otherwise outweigh every other case); exactness reads all max_tokens.
+    scored: int = 0  # 0: max_tokens
 
     @property
     def prompt_len(self) -> int:
@@ -45,9 +48,9 @@ def _lengths(table: BucketTable, max_tokens: int) -> list[tuple[str, int, int]]:
                 out.append((f"chunks of {c}, m={m}: {label}", n, max_tokens))
     for kv in table.kv_lengths[:-1]:
         n = kv - max_tokens // 2
-        if n > limit and limit >= 1 and kv + max_tokens // 2 <= table.context_length:
-            # generation crosses kv by as many tokens as a plain crossing case does
-            out.append((f"decode crosses KV {kv} (long generation)", limit, kv + max_tokens // 2 - limit))
+        if n > limit and limit >= 1 and n + max_tokens <= table.context_length:
+            # the same prompt + generation as the plain case, so its last step writes the same position
+            out.append((f"decode crosses KV {kv} (long generation)", limit, n + max_tokens - limit))
         else:
             out.append((f"decode crosses KV {kv}", n, max_tokens))
     seen: set[int] = set()
@@ -68,5 +71,6 @@ def plan_cases(table: BucketTable, tokens: list[int], max_tokens: int, num_promp
     for i, (reason, n, generate) in enumerate(_lengths(table, max_tokens)):
         start = (i * 7919) % len(tokens)
         ids = tuple(tokens[(start + j) % len(tokens)] for j in range(n))
-        cases.append(Case(reason, ids, generate, wave=1 if i % 3 == 2 else 0, logprobs=i % 2 == 0))
+        cases.append(Case(reason, ids, generate, wave=1 if i % 3 == 2 else 0, logprobs=i % 2 == 0,
+                          scored=min(generate, max_tokens)))
     return cases[:num_prompts] if num_prompts > 0 else cases

@@ -40,7 +40,21 @@ def test_kv_crossings_beyond_the_longest_prompt_come_from_long_generations() -> 
     assert long == {"decode crosses KV 128 (long generation)": (64, 69),
                     "decode crosses KV 256 (long generation)": (64, 197)}
     assert any(c.name == "decode crosses KV 32" and c.prompt_len == 27 for c in cases)
-    assert all(c.prompt_len + c.max_tokens <= 512 for c in cases)
+    assert all(c.prompt_len + c.max_tokens <= 512 and c.scored == min(c.max_tokens, 10) for c in cases)
+    for max_tokens in (3, 4, 10):  # decode steps write positions prompt .. prompt + tokens - 2: one spans each kv
+        planned = plan_cases(table, list(range(100, 400)), max_tokens)
+        assert all(any(c.prompt_len < kv <= c.prompt_len + c.max_tokens - 2 for c in planned) for kv in (32, 128, 256))
+
+
+def test_a_long_generation_counts_toward_agreement_as_much_as_any_case() -> None:
+    from server.commands.verify import Outcome, compare
+
+    table = BucketTable(lengths=(8, 16, 32, 64), context_length=512, kv_lengths=(32, 128, 256, 512))
+    long = next(c for c in plan_cases(table, list(range(100, 400)), max_tokens=10) if "long" in c.name)
+    ref = Outcome(list(range(long.max_tokens)))
+    ours = Outcome(list(range(20)) + [-1] * (long.max_tokens - 20))  # diverges at token 20 of 69
+    report = compare(table, [long], [ours], [ref])[0]
+    assert (report.matched, report.total, report.first_divergence) == (10, 10, 20)
 
 
 def test_cases_cover_buckets_chunks_kv_crossings_and_waves() -> None:
