@@ -16,8 +16,9 @@ Why kernels of our own (measured in docs/performance.md, one thread):
   (1.3-1.4x oneDNN at 2-32 rows, 1.1-1.2x at 48-128; oneDNN from 256 rows on).
 - RMSNorm of prompt-sized steps (models/rms_norm.py): inductor's fused residual add and norm ~60-75 us a call at
   256 rows of 576 and ~380 at 1024, the kernel ~31 / ~130 (4-6% of a 128-1024-token prompt's step).
-float32 models keep SDPA and MKL (the reference path, token-identical to transformers); so do other dtypes,
-shapes the kernels do not take, and machines where the build fails (logged once).
+float32 models take the decode attention kernel (fp32 in and out: PyTorch's SDPA spent ~4x its time on decode
+rows, docs/performance.md) and keep MKL and SDPA elsewhere (the reference path, token-identical to transformers);
+other dtypes, shapes the kernels do not take, and machines where the build fails (logged once) use SDPA and oneDNN.
 The library's build and loading: models/native_library.py.
 """
 
@@ -40,11 +41,14 @@ AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 128
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # decode_attention.c's MAX_G and 16 * MAX_C
 
 
+DECODE_DTYPES = (torch.bfloat16, torch.float32)  # decode_attention.c's element types
+
+
 def _decode_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """decode_attention.c takes these layouts: query [R, H_kv, G, D] bf16, key/value [S, H_kv, C, D] bf16 with the
-    same strides, positions contiguous, G <= MAX_GROUPS, D a multiple of 16 up to MAX_HEAD_DIM."""
+    """decode_attention.c takes these layouts: query [R, H_kv, G, D], key/value [S, H_kv, C, D] with the same
+    strides, positions contiguous, all bf16 or all fp32, G <= MAX_GROUPS, D a multiple of 16 up to MAX_HEAD_DIM."""
     _, heads, groups, dim = query.shape
-    return not (query.dtype != torch.bfloat16 or key.dtype != query.dtype or value.dtype != query.dtype
+    return not (query.dtype not in DECODE_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
                 or key.shape[1] != heads or key.shape[3] != dim or value.shape != key.shape
                 or value.stride() != key.stride() or key.stride(3) != 1 or key.stride(2) != dim
                 or not 1 <= groups <= MAX_GROUPS or dim % 16 or not 16 <= dim <= MAX_HEAD_DIM)
@@ -68,7 +72,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = torch.empty_like(q)
     slots = np.ascontiguousarray(slots, dtype=np.int64)
     extents = np.ascontiguousarray(extents, dtype=np.int64)
-    status = _lib().bucketserve_decode_attention_bf16(
+    entry = _lib().bucketserve_decode_attention_f32 if q.dtype == torch.float32 else \
+        _lib().bucketserve_decode_attention_bf16
+    status = entry(
         q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), slots.ctypes.data, extents.ctypes.data,
         rows, heads, groups, dim, key.stride(0), key.stride(1), scale, threads)
     return out if status == 0 else None
@@ -92,7 +98,7 @@ def decode_attention_masked(query: torch.Tensor, key: torch.Tensor, value: torch
     status: int = _lib().bucketserve_decode_attention_masked(
         q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), mask.data_ptr(), mask.stride(0),
         mask.shape[3], mask.element_size(), rows, heads, groups, dim, key.stride(0), key.stride(1), key.shape[2],
-        scale, threads)
+        scale, threads, int(q.dtype == torch.float32))
     return out if status == 0 else None
 
 

@@ -112,6 +112,8 @@ def _load() -> None:
     lib.bucketserve_decode_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                                       ctypes.c_float, ctypes.c_int]
     lib.bucketserve_decode_attention_bf16.restype = ctypes.c_int
+    lib.bucketserve_decode_attention_f32.argtypes = lib.bucketserve_decode_attention_bf16.argtypes
+    lib.bucketserve_decode_attention_f32.restype = ctypes.c_int
     lib.bucketserve_small_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.bucketserve_small_matmul_bf16.restype = ctypes.c_int
     lib.bucketserve_mask_extents.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr]
@@ -123,7 +125,7 @@ def _load() -> None:
     lib.bucketserve_piece_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, *[i64] * 11, ctypes.c_float, ctypes.c_int]
     lib.bucketserve_piece_attention_bf16.restype = ctypes.c_int
     lib.bucketserve_decode_attention_masked.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int,
-                                                        *[i64] * 7, ctypes.c_float, ctypes.c_int]
+                                                        *[i64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.bucketserve_decode_attention_masked.restype = ctypes.c_int
     lib.bucketserve_linear_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.bucketserve_linear_bf16.restype = ctypes.c_int

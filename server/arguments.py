@@ -51,7 +51,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "whose attention reads only what each row sees; else powers of two from 256)")
     parser.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size,
                         help=f"prefill longer prompts in chunks of this many tokens between decode steps (-1: auto, "
-                             f"{DEFAULT_CHUNK} with the default buckets; 0: off; with --buckets: the largest bucket)")
+                             f"{DEFAULT_CHUNK} with the default buckets; 0: off; with --buckets: off unless set, "
+                             f"and then it must equal the largest bucket)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--buckets-file", default=d.buckets_file, help="JSON bucket table (from `bucketserve plan`)")
     parser.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests)

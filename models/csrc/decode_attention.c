@@ -1,16 +1,18 @@
-/* Decode attention over the per-slot KV cache for bfloat16 models (models/native.py builds and loads this).
+/* Decode attention over the per-slot KV cache for bfloat16 and float32 models (models/native.py builds and loads
+ * this).
  *
  * Why: PyTorch's CPU SDPA (flash) is built for long query blocks; a decode row has one query per head (three
  * per KV head once the grouped-query heads are packed), and SDPA spends most of a decode step's attention
  * on per-block overhead (measured: ~0.8 ms per layer for 16 rows at 250 positions, 2 GB/s of K/V). This
  * reads each row's K and V once, only the positions the row sees, in one pass (online softmax).
  *
- * Shapes (elements, bf16 as uint16): q [R, H, G, D] contiguous (G query heads per KV head); k, v: the slot
+ * Shapes (elements: bf16 as uint16, or fp32): q [R, H, G, D] contiguous (G query heads per KV head); k, v: the slot
  * buffers, row r reads slot slots[r]: position p of head h at slot * s_slot + h * s_head + p * D; ext[r]:
  * how many positions row r sees (1..capacity); out [R, H, G, D]. Math in fp32 (scores, softmax, sums),
  * result rounded to bf16 (nearest even), as SDPA's bf16 kernels do; where the CPU has AVX512-BF16 and D % 32 == 0
  * the softmax weights are rounded to bf16 before the value sum, as SDPA's bf16 kernels round them before their
- * second matmul (one_head_dp). Needs D % 16 == 0, D <= 256, G <= 16.
+ * second matmul (one_head_dp). fp32: the same math, fp32 in and out (one_head). Needs D % 16 == 0, D <= 256,
+ * G <= 16.
  * Portable C: GCC vector extensions (16 fp32 lanes), lowered to whatever the build machine has (-march=native).
  */
 #include "vec16.h"
@@ -33,13 +35,29 @@ static inline float hmax(v16f v) {
     return m;
 }
 
+/* Element access of the generic kernel: bf16 (uint16 bits) or fp32, by a flag that is a constant wherever the
+ * kernel is inlined (the branches fold away). */
+static inline v16f load_elems(const void *p, int64_t i, const int f32) {
+    if (f32) {
+        v16f f;
+        memcpy(&f, (const float *)p + i, sizeof f);
+        return f;
+    }
+    return load_bf16((const uint16_t *)p + i);
+}
+
+/* Every 64-byte line of position p's row (D elements) of a head's buffer. */
+static inline void prefetch_row(const void *base, int64_t p, int64_t D, const int f32) {
+    const int64_t bytes = D * (f32 ? 4 : 2);
+    const char *row = (const char *)base + p * bytes;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
+}
+
 /* The first AHEAD positions of a head's K and V (nothing prefetched them yet). */
-static inline void prefetch_head(const uint16_t *kb, const uint16_t *vb, int64_t n, int64_t D) {
+static inline void prefetch_head(const void *kb, const void *vb, int64_t n, int64_t D, const int f32) {
     for (int64_t p = 0; p < AHEAD && p < n; p++) {
-        __builtin_prefetch(kb + p * D);
-        __builtin_prefetch(kb + p * D + 32);
-        __builtin_prefetch(vb + p * D);
-        __builtin_prefetch(vb + p * D + 32);
+        prefetch_row(kb, p, D, f32);
+        prefetch_row(vb, p, D, f32);
     }
 }
 
@@ -56,32 +74,31 @@ static inline v16f softmax_block(v16f s, v16i live, float *m, float *l, float *a
     return e;
 }
 
-/* One (row, KV head): G queries over n positions, 16 positions a block. Inlined with constant G and D where
- * the caller knows them, so the chunk loops unroll and the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void one_head(const uint16_t *qb, const uint16_t *kb, const uint16_t *vb,
-                                                           uint16_t *ob, int64_t n, const int64_t G, const int64_t D,
-                                                           float scale) {
+/* One (row, KV head): G queries over n positions, 16 positions a block; q, K, V and out in bf16 (f32 == 0) or
+ * fp32 (f32 == 1). Inlined with constant G, D and f32 where the caller knows them, so the chunk loops unroll and
+ * the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void one_head(const void *qb, const void *kb, const void *vb, void *ob,
+                                                           int64_t n, const int64_t G, const int64_t D, float scale,
+                                                           const int f32) {
     const int64_t nc = D / 16;
     v16f qv[MAX_G][MAX_C], acc[MAX_G][MAX_C], part[MAX_G][16];
     float m[MAX_G], l[MAX_G], w[MAX_G][16];
     for (int64_t g = 0; g < G; g++) {
         for (int64_t c = 0; c < nc; c++) {
-            qv[g][c] = load_bf16(qb + g * D + c * 16) * scale;
+            qv[g][c] = load_elems(qb, g * D + c * 16, f32) * scale;
             acc[g][c] = splat(0.0f);
         }
         m[g] = -3.0e38f;
         l[g] = 0.0f;
     }
-    prefetch_head(kb, vb, n, D);
+    prefetch_head(kb, vb, n, D, f32);
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
         const int64_t len = n - p0 < 16 ? n - p0 : 16;
         for (int64_t j = 0; j < 16; j++) {
             if (j < len) {
-                const uint16_t *kr = kb + (p0 + j) * D;
-                __builtin_prefetch(kr + AHEAD * D);
-                __builtin_prefetch(kr + AHEAD * D + 32);
+                prefetch_row(kb, p0 + j + AHEAD, D, f32);
                 v16f kv[MAX_C];
-                for (int64_t c = 0; c < nc; c++) kv[c] = load_bf16(kr + c * 16);
+                for (int64_t c = 0; c < nc; c++) kv[c] = load_elems(kb, (p0 + j) * D + c * 16, f32);
                 for (int64_t g = 0; g < G; g++) {
                     v16f a = qv[g][0] * kv[0];
                     for (int64_t c = 1; c < nc; c++) a += qv[g][c] * kv[c];
@@ -99,19 +116,22 @@ static inline __attribute__((always_inline)) void one_head(const uint16_t *qb, c
             for (int64_t c = 0; c < nc; c++) acc[g][c] *= alpha;
         }
         for (int64_t j = 0; j < len; j++) {
-            const uint16_t *vr = vb + (p0 + j) * D;
-            __builtin_prefetch(vr + AHEAD * D);
-            __builtin_prefetch(vr + AHEAD * D + 32);
+            prefetch_row(vb, p0 + j + AHEAD, D, f32);
             v16f vv[MAX_C];
-            for (int64_t c = 0; c < nc; c++) vv[c] = load_bf16(vr + c * 16);
+            for (int64_t c = 0; c < nc; c++) vv[c] = load_elems(vb, (p0 + j) * D + c * 16, f32);
             for (int64_t g = 0; g < G; g++)
                 for (int64_t c = 0; c < nc; c++) acc[g][c] += w[g][j] * vv[c];
         }
     }
     for (int64_t g = 0; g < G; g++) {
         float inv = 1.0f / l[g];
-        for (int64_t c = 0; c < nc; c++)
-            for (int i = 0; i < 16; i++) ob[g * D + c * 16 + i] = to_bf16(acc[g][c][i] * inv);
+        for (int64_t c = 0; c < nc; c++) {
+            v16f o = acc[g][c] * inv;
+            if (f32)
+                memcpy((float *)ob + g * D + c * 16, &o, sizeof o);
+            else
+                store_bf16((uint16_t *)ob + g * D + c * 16, o);
+        }
     }
 }
 
@@ -143,7 +163,7 @@ static inline __attribute__((always_inline)) void one_head_dp(const uint16_t *qb
         m[g] = -3.0e38f;
         l[g] = 0.0f;
     }
-    if (first) prefetch_head(kb, vb, n, D);
+    if (first) prefetch_head(kb, vb, n, D, 0);
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
         const int64_t len = n - p0 < 16 ? n - p0 : 16;
         for (int64_t j = 0; j < 16; j++) {
@@ -207,7 +227,7 @@ static inline __attribute__((always_inline)) void one_head_dp(const uint16_t *qb
 }
 #define DP_TAKES(D) ((D) % 32 == 0)
 #else
-#define one_head_dp(qb, kb, vb, ob, n, G, D, scale, kn, vn, nn, first) one_head(qb, kb, vb, ob, n, G, D, scale)
+#define one_head_dp(qb, kb, vb, ob, n, G, D, scale, kn, vn, nn, first) one_head(qb, kb, vb, ob, n, G, D, scale, 0)
 #define DP_TAKES(D) 0
 #endif
 
@@ -254,47 +274,72 @@ int bucketserve_mask_extents(const void *mask, int64_t rows, int64_t cols, int64
     return prefix;
 }
 
-/* Returns 0, or -1 for shapes this kernel does not take (the caller then uses SDPA). */
-int bucketserve_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                                      const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,
-                                      int64_t groups, int64_t dim, int64_t s_slot, int64_t s_head, float scale,
-                                      int threads) {
+/* Every (row, KV head) of a decode step; elements bf16 (f32 == 0) or fp32 (f32 == 1). Returns 0, or -1 for shapes
+ * this kernel does not take (the caller then uses SDPA). */
+static int decode_rows(const void *q, const void *k, const void *v, void *out, const int64_t *slots,
+                       const int64_t *ext, int64_t rows, int64_t heads, int64_t groups, int64_t dim, int64_t s_slot,
+                       int64_t s_head, float scale, int threads, const int f32) {
     if (groups < 1 || groups > MAX_G || dim % 16 || dim < 16 || dim > 16 * MAX_C) return -1;
-    const int64_t G = groups, D = dim;
+    const int64_t G = groups, D = dim, esz = f32 ? 4 : 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t rh = 0; rh < rows * heads; rh++) {
-        const int64_t r = rh / heads, h = rh % heads, base = slots[r] * s_slot + h * s_head;
-        const uint16_t *qb = q + rh * G * D;
-        uint16_t *ob = out + rh * G * D;
+        const int64_t r = rh / heads, h = rh % heads, base = (slots[r] * s_slot + h * s_head) * esz;
+        const void *qb = (const char *)q + rh * G * D * esz, *kb = (const char *)k + base, *vb = (const char *)v + base;
+        void *ob = (char *)out + rh * G * D * esz;
+        if (f32) {
+            if (G == 3 && D == 64) /* SmolLM2 and its relatives */
+                one_head(qb, kb, vb, ob, ext[r], 3, 64, scale, 1);
+            else
+                one_head(qb, kb, vb, ob, ext[r], G, D, scale, 1);
+            continue;
+        }
         /* the next (row, head)'s K/V: prefetched while this one ends (its first positions are not a stall) */
         const int64_t rn = (rh + 1) / heads, hn = (rh + 1) % heads;
         const int64_t nn = rh + 1 < rows * heads ? ext[rn] : 0;
         const int64_t next = nn ? slots[rn] * s_slot + hn * s_head : 0;
+        const uint16_t *kn = (const uint16_t *)k + next, *vn = (const uint16_t *)v + next;
         const int first = rh == 0 || threads > 1;
-        if (G == 3 && D == 64) /* SmolLM2 and its relatives */
-            one_head_dp(qb, k + base, v + base, ob, ext[r], 3, 64, scale, k + next, v + next, nn, first);
+        if (G == 3 && D == 64)
+            one_head_dp(qb, kb, vb, ob, ext[r], 3, 64, scale, kn, vn, nn, first);
         else if (G == 4 && D == 64)
-            one_head_dp(qb, k + base, v + base, ob, ext[r], 4, 64, scale, k + next, v + next, nn, first);
+            one_head_dp(qb, kb, vb, ob, ext[r], 4, 64, scale, kn, vn, nn, first);
         else if (G == 4 && D == 128)
-            one_head_dp(qb, k + base, v + base, ob, ext[r], 4, 128, scale, k + next, v + next, nn, first);
+            one_head_dp(qb, kb, vb, ob, ext[r], 4, 128, scale, kn, vn, nn, first);
         else if (DP_TAKES(D))
-            one_head_dp(qb, k + base, v + base, ob, ext[r], G, D, scale, k + next, v + next, nn, first);
+            one_head_dp(qb, kb, vb, ob, ext[r], G, D, scale, kn, vn, nn, first);
         else
-            one_head(qb, k + base, v + base, ob, ext[r], G, D, scale);
+            one_head(qb, kb, vb, ob, ext[r], G, D, scale, 0);
     }
     return 0;
+}
+
+/* bf16 q, k, v and out (as uint16 bits); shapes in the header comment. */
+int bucketserve_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                                      const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,
+                                      int64_t groups, int64_t dim, int64_t s_slot, int64_t s_head, float scale,
+                                      int threads) {
+    return decode_rows(q, k, v, out, slots, ext, rows, heads, groups, dim, s_slot, s_head, scale, threads, 0);
+}
+
+/* The same over fp32 q, k, v and out (float32 models: PyTorch's SDPA spent ~0.6 ms a layer on 8 decode rows at
+ * 150 positions, ~4x this kernel). */
+int bucketserve_decode_attention_f32(const float *q, const float *k, const float *v, float *out,
+                                     const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,
+                                     int64_t groups, int64_t dim, int64_t s_slot, int64_t s_head, float scale,
+                                     int threads) {
+    return decode_rows(q, k, v, out, slots, ext, rows, heads, groups, dim, s_slot, s_head, scale, threads, 1);
 }
 
 /* Decode attention read straight from the step's additive mask (one call a layer instead of a mask scan, numpy
  * bookkeeping and the kernel): row r attends slot r's positions [0, ext[r]) where ext comes from mask row r
  * (`mask_stride` elements apart, `cols` wide, `width` bytes an element). Returns 0; 1 when a row does not attend
  * exactly a non-empty prefix (a sliding window, a hole: the caller takes the general path); -1 for shapes the
- * kernel does not take. */
+ * kernel does not take. Elements bf16 (f32 == 0) or fp32 (f32 == 1). */
 #define MASKED_MAX_ROWS 1024
-int bucketserve_decode_attention_masked(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                                        const void *mask, int64_t mask_stride, int64_t cols, int width,
-                                        int64_t rows, int64_t heads, int64_t groups, int64_t dim, int64_t s_slot,
-                                        int64_t s_head, int64_t positions, float scale, int threads) {
+int bucketserve_decode_attention_masked(const void *q, const void *k, const void *v, void *out, const void *mask,
+                                        int64_t mask_stride, int64_t cols, int width, int64_t rows, int64_t heads,
+                                        int64_t groups, int64_t dim, int64_t s_slot, int64_t s_head,
+                                        int64_t positions, float scale, int threads, int f32) {
     if (rows < 1 || rows > MASKED_MAX_ROWS || cols > positions) return -1;
     int64_t ext[MASKED_MAX_ROWS], slots[MASKED_MAX_ROWS];
     int prefix = bucketserve_mask_extents(mask, rows, cols, mask_stride, width, ext);
@@ -304,6 +349,5 @@ int bucketserve_decode_attention_masked(const uint16_t *q, const uint16_t *k, co
         if (ext[r] < 1) return 1;
         slots[r] = r;
     }
-    return bucketserve_decode_attention_bf16(q, k, v, out, slots, ext, rows, heads, groups, dim, s_slot, s_head,
-                                             scale, threads);
+    return decode_rows(q, k, v, out, slots, ext, rows, heads, groups, dim, s_slot, s_head, scale, threads, f32 != 0);
 }

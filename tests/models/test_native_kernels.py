@@ -1,7 +1,7 @@
 """bucketserve's own kernels (models/native.py): they build here; decode attention equals attention in float32
 to bf16 rounding over each row's own slot and extent and never reads past an extent; the small matmul equals a
 float32 matmul to bf16 rounding, and so does the AMX matmul; the attention ops and the prepacked linear use them
-for bf16 decoding rows and steps of 1-128 rows (falling back to SDPA and oneDNN where they do not apply or are
+for bf16 and fp32 decoding rows, and bf16 steps of 1-128 rows (falling back to SDPA and oneDNN where they do not apply or are
 switched off)."""
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[in
     return torch.cat(rows)
 
 
-def _poisoned_cache(slots: int, heads: int, context: int, dim: int, extents: dict[int, int]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 K/V [slots, heads, context, dim], NaN past each listed slot's extent: reading there shows."""
-    k = torch.randn(slots, heads, context, dim).to(torch.bfloat16)
-    v = torch.randn(slots, heads, context, dim).to(torch.bfloat16)
+def _poisoned_cache(slots: int, heads: int, context: int, dim: int, extents: dict[int, int],
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [slots, heads, context, dim], NaN past each listed slot's extent: reading there shows."""
+    k = torch.randn(slots, heads, context, dim).to(dtype)
+    v = torch.randn(slots, heads, context, dim).to(dtype)
     for slot, extent in extents.items():
         k[slot, :, extent:] = float("nan")
         v[slot, :, extent:] = float("nan")
@@ -53,26 +53,33 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(before)
 
 
+# bf16 rounds the result; fp32 differs from SDPA only by the order of its sums and the exp approximation (~1e-7)
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 2e-6}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize(("groups", "dim"), [(3, 64), (4, 64), (4, 128), (2, 16), (5, 32), (1, 64)])
-def test_kernel_equals_float32_attention_over_each_rows_slot(groups: int, dim: int, threads: int) -> None:
+def test_kernel_equals_float32_attention_over_each_rows_slot(groups: int, dim: int, dtype: torch.dtype,
+                                                             threads: int) -> None:
     torch.manual_seed(groups * 1000 + dim)
     heads, context = 2, 80
     # Rows read slots out of order; extents cover 1, a block edge (16), one past it, and the whole slot.
     slots, extents = [4, 0, 2, 5, 1, 3], [1, 15, 16, 17, 47, 80]
-    k, v = _poisoned_cache(6, heads, context, dim, dict(zip(slots, extents, strict=True)))
-    q = torch.randn(len(slots), heads, groups, dim).to(torch.bfloat16)
+    k, v = _poisoned_cache(6, heads, context, dim, dict(zip(slots, extents, strict=True)), dtype)
+    q = torch.randn(len(slots), heads, groups, dim).to(dtype)
     scale = dim ** -0.5
     got = native.decode_attention(q, k, v, np.array(slots), np.array(extents), scale)
-    assert got is not None and got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert got is not None and got.dtype == dtype and got.shape == q.shape
     assert torch.isfinite(got).all()  # nothing past an extent was read
     want = _reference(q, torch.nan_to_num(k), torch.nan_to_num(v), slots, extents, scale)
-    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)  # bf16 rounding of the result
+    torch.testing.assert_close(got.float(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
 def test_kernel_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k = torch.randn(2, 2, 3, 64), torch.randn(2, 2, 32, 64)
     ext, slots = np.array([5, 9]), np.arange(2)
-    assert native.decode_attention(q, k, k, slots, ext, 0.125) is None  # float32: the reference path, SDPA
+    assert native.decode_attention(q.half(), k.half(), k.half(), slots, ext, 0.125) is None  # float16: SDPA
+    assert native.decode_attention(q, k.bfloat16(), k.bfloat16(), slots, ext, 0.125) is None  # mixed dtypes
     odd_q, odd_k = torch.randn(2, 2, 3, 24).bfloat16(), torch.randn(2, 2, 32, 24).bfloat16()
     assert native.decode_attention(odd_q, odd_k, odd_k, slots, ext, 0.2) is None  # head dim not a multiple of 16
     q16, k16 = q.bfloat16(), k.bfloat16()
@@ -82,9 +89,9 @@ def test_kernel_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) 
     assert native.decode_attention(q16, k16, k16, slots, ext, 0.125) is None
 
 
-def _decode_mask(extents: list[int], context: int) -> torch.Tensor:
+def _decode_mask(extents: list[int], context: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     seen = torch.arange(context)[None] < torch.tensor(extents)[:, None]
-    return torch.where(seen, 0.0, float("-inf")).to(torch.bfloat16).view(len(extents), 1, 1, context)
+    return torch.where(seen, 0.0, float("-inf")).to(dtype).view(len(extents), 1, 1, context)
 
 
 @pytest.fixture
@@ -107,31 +114,34 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return calls
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_decode_step_attention_uses_the_kernel_and_matches_sdpa(monkeypatch: pytest.MonkeyPatch,
-                                                                 kernel_calls: list[bool]) -> None:
+                                                                 kernel_calls: list[bool], dtype: torch.dtype) -> None:
     torch.manual_seed(1)
     kv, groups, dim, context = 2, 3, 64, 64
     extents = [3, 40, 17, 64]
-    q = torch.randn(4, kv * groups, 1, dim).to(torch.bfloat16)
-    k, v = _poisoned_cache(4, kv, context, dim, dict(enumerate(extents)))
-    ours, _ = packed_sdpa(FakeAttention(), q, k, v, _decode_mask(extents, context), scaling=dim ** -0.5)
+    q = torch.randn(4, kv * groups, 1, dim).to(dtype)
+    k, v = _poisoned_cache(4, kv, context, dim, dict(enumerate(extents)), dtype)
+    mask = _decode_mask(extents, context, dtype)
+    ours, _ = packed_sdpa(FakeAttention(), q, k, v, mask, scaling=dim ** -0.5)
     assert kernel_calls == [True] and torch.isfinite(ours).all()  # one call: the entry that reads the mask
     monkeypatch.setitem(native_library._switch, "on", False)
     clean_k, clean_v = torch.nan_to_num(k), torch.nan_to_num(v)
-    sdpa, _ = packed_sdpa(FakeAttention(), q, clean_k, clean_v, _decode_mask(extents, context), scaling=dim ** -0.5)
+    sdpa, _ = packed_sdpa(FakeAttention(), q, clean_k, clean_v, mask, scaling=dim ** -0.5)
     assert kernel_calls == [True, False, False]  # both entries declined: SDPA
-    torch.testing.assert_close(ours.float(), sdpa.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ours.float(), sdpa.float(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("width", [torch.bfloat16, torch.float32])
-def test_masked_entry_reads_extents_from_the_mask(width: torch.dtype, threads: int) -> None:
+def test_masked_entry_reads_extents_from_the_mask(width: torch.dtype, dtype: torch.dtype, threads: int) -> None:
     """decode_attention_masked == decode_attention with row r on slot r and the mask's extents; it declines
     (None) where a row's visible positions are not a non-empty prefix, which the general path then handles."""
     torch.manual_seed(3)
     kv, groups, dim, context = 3, 3, 64, 96
     extents = [1, 16, 17, 95, 40]
-    q = torch.randn(len(extents), kv, groups, dim).to(torch.bfloat16)
-    k, v = _poisoned_cache(len(extents) + 1, kv, context, dim, dict(enumerate(extents)))
+    q = torch.randn(len(extents), kv, groups, dim).to(dtype)
+    k, v = _poisoned_cache(len(extents) + 1, kv, context, dim, dict(enumerate(extents)), dtype)
     mask = _decode_mask(extents, 80 if max(extents) <= 80 else context).to(width)
     got = native.decode_attention_masked(q, k, v, mask, dim ** -0.5)
     want = native.decode_attention(q, k, v, np.arange(len(extents)), np.array(extents), dim ** -0.5)
@@ -143,7 +153,7 @@ def test_masked_entry_reads_extents_from_the_mask(width: torch.dtype, threads: i
     empty = mask.clone()
     empty[0] = float("-inf")  # row 0 sees nothing
     assert native.decode_attention_masked(q, k, v, empty, dim ** -0.5) is None
-    assert native.decode_attention_masked(q.float(), k.float(), v.float(), mask, dim ** -0.5) is None
+    assert native.decode_attention_masked(q.half(), k.half(), v.half(), mask, dim ** -0.5) is None
 
 
 def test_mixed_step_decoding_rows_use_the_kernel(monkeypatch: pytest.MonkeyPatch, kernel_calls: list[bool]) -> None:
