@@ -44,8 +44,8 @@ class CompileSettings:
     # CPU linears through prepacked oneDNN weights (models/prepack.py; float32: steps of 2+ rows); ignored where unsupported,
     # under freezing (which packs inside the graph) and on the Neuron backend.
     weight_prepack: bool = True
-    # CPU bf16: bucketserve's own kernels (models/native.py) for decoding rows' attention and linears of 1-4
-    # rows; SDPA and oneDNN where they do not apply.
+    # CPU: bucketserve's own kernels (models/native.py) for decoding rows' attention (bf16 and fp32) and bf16
+    # linears of 1-4 rows; SDPA and oneDNN where they do not apply.
     native_kernels: bool = True
     # CPU bf16 with AMX: "int8" runs steps of 1-128 rows on weight-only int8 copies of the linears (prepack.py).
     quantize: str = "none"

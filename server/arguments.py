@@ -38,8 +38,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU: carry prompt tokens in the decode steps (one pass over the weights for both; "
                              "default on)")
     parser.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=d.native_kernels,
-                        help="CPU bfloat16: decode attention and linears of 1-4 rows in bucketserve's own kernels, "
-                             "built on first use with the C compiler (default on; off: PyTorch's SDPA and oneDNN)")
+                        help="CPU: decode attention (bfloat16 and float32) and bfloat16 linears of 1-4 rows in "
+                             "bucketserve's own kernels, built on first use with the C compiler (default on; off: "
+                             "PyTorch's SDPA and oneDNN)")
     parser.add_argument("--quantize", default=d.quantize, choices=list(QUANTIZE_MODES),
                         help="int8: steps of 1-128 rows (decode) read weight-only int8 copies of the linears, per "
                              "output channel (CPU bfloat16 with AMX; prompts of more tokens keep bf16)")

@@ -1,4 +1,5 @@
-"""Prometheus metrics: every series bucketserve exports, and the hooks the engine and HTTP layer call.
+"""Prometheus metrics: every series bucketserve exports, and the hooks the engine and HTTP layer call (the
+compilation series and their hooks: server/metrics/compile_series.py).
 
 All metrics live on a registry the app passes in (never the global default), are prefixed
 `bucketserve_`, use base units (seconds, tokens, ratios) and, for counters, end in `_total`.
@@ -13,17 +14,15 @@ templates are resolved on first use and capped by `MetricsConfig.max_endpoints`.
 from __future__ import annotations
 
 import threading
-from typing import Iterable, TypeVar
+from typing import Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from buckets import BucketTable, GraphKey
+from server.metrics.compile_series import PREFIX, CompileSeries, check_count, check_seconds, pick
 from server.metrics.config import (
     ABORT_REASONS,
-    ARTIFACT_REJECT_REASONS,
-    COMPILE_PHASES,
     FINISH_REASONS,
-    RECOMPILE_REASONS,
     REJECT_REASONS,
     MetricsConfig,
     MetricsConfigError,
@@ -33,31 +32,8 @@ from server.metrics.config import (
 
 __all__ = ["Metrics", "MetricsConfig", "MetricsConfigError", "prompt_length_edges"]
 
-PREFIX = "bucketserve_"
 
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-def _pick(children: dict[K, V], key: K, what: str) -> V:
-    try:
-        return children[key]
-    except KeyError:
-        raise ValueError(f"{what} {key!r} is not one of {[str(k) for k in children]}") from None
-
-
-def _check_count(name: str, value: int, low: int = 0, high: int | None = None) -> None:
-    if value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-
-
-def _check_seconds(name: str, value: float) -> None:
-    if not value >= 0:  # also rejects NaN: a monotonic clock never yields one
-        raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
-
-
-class Metrics:
+class Metrics(CompileSeries):
     """Owns every bucketserve metric on `registry`; see the Metrics section of README.md for the series."""
 
     def __init__(
@@ -95,31 +71,7 @@ class Metrics:
         self._mixed_keys = frozenset(k for k in graph_keys if k.phase == "mixed")
         self._batch_sizes = frozenset(table.batch_sizes)
 
-        # -- compilation ---------------------------------------------------------------------------
-        compilations = counter(
-            "graph_compilations_total", "Graphs compiled, by graph, bucket and phase.", ("graph", "bucket", "phase")
-        )
-        self._compilations = {
-            (k, ph): compilations.labels(k.phase, k.bucket, ph) for k in graph_keys for ph in COMPILE_PHASES
-        }
-        recompiles = counter("recompilations_total", "Compilations after ready (should stay 0).", ("reason",))
-        self._recompiles = {r: recompiles.labels(r) for r in RECOMPILE_REASONS}
-        self._compile_seconds = histogram("compile_seconds", "Seconds to compile one graph.", config.compile_buckets)
-        self._warmup_seconds = gauge("warmup_seconds", "Seconds the warm-up of every graph took.")
-        self._graphs_total = gauge("graphs_total", "Graphs the bucket table needs.")
-        self._graphs_ready = gauge("graphs_ready", "Graphs compiled and warmed so far.")
-        self._ready = gauge("ready", "1 when every graph is warm and requests are admitted, else 0.")
-        self._graphs_total.set(table.num_graphs)
-        self._cache_hits = counter("compile_cache_hits_total", "Graphs loaded from the compile cache.")
-        self._cache_misses = counter("compile_cache_misses_total", "Graphs not found in the compile cache.")
-        # Tensor parallel: each rank's compilations (rank 0's own, the followers' as their heartbeats report).
-        rank_compiles = Gauge(PREFIX + "rank_compilations", "Graphs compiled per tensor-parallel rank and phase.",
-                              ("rank", "phase"), registry=registry)
-        self._rank_compiles = {(r, ph): rank_compiles.labels(str(r), ph)
-                               for r in range(world_size) for ph in COMPILE_PHASES}
-        rejected = counter("compile_artifacts_rejected_total",
-                           "Saved graph artifacts found unusable at warm-up and rebuilt, by reason.", ("reason",))
-        self._artifacts_rejected = {r: rejected.labels(r) for r in ARTIFACT_REJECT_REASONS}
+        self._init_compile_series(registry, table, config, world_size, counter, gauge, histogram)
 
         # -- shapes --------------------------------------------------------------------------------
         bucket_requests = counter("bucket_requests_total", "Admitted requests per length bucket.", ("bucket",))
@@ -183,50 +135,12 @@ class Metrics:
         Info(PREFIX.rstrip("_"), "Model, runtime and bucket table.", registry=registry).info(info_labels(info, table))
 
     # -- engine thread: compilation -------------------------------------------------------------
-    def graph_compiled(self, key: GraphKey, seconds: float, phase: str) -> None:
-        """One graph compiled. A compile in phase "serving" must also be reported with `recompiled`."""
-        child = self._compilations.get((key, phase))
-        if child is None:
-            _pick({p: p for p in COMPILE_PHASES}, phase, "compile phase")
-            raise ValueError(f"graph {key} is not in the bucket table")
-        _check_seconds("seconds", seconds)
-        child.inc()
-        self._compile_seconds.observe(seconds)
-
-    def recompiled(self, reason: str) -> None:
-        _pick(self._recompiles, reason, "recompile reason").inc()
-
-    def warmup_progress(self, done: int, total: int) -> None:
-        _check_count("total", total, 1)
-        _check_count("done", done, 0, total)
-        self._graphs_total.set(total)
-        self._graphs_ready.set(done)
-
-    def warmup_finished(self, seconds: float) -> None:
-        _check_seconds("seconds", seconds)
-        self._warmup_seconds.set(seconds)
-
-    def rank_compilations(self, rank: int, warmup: int, serving: int) -> None:
-        _check_count("warmup", warmup)
-        _check_count("serving", serving)
-        _pick(self._rank_compiles, (rank, "warmup"), "rank").set(warmup)
-        self._rank_compiles[(rank, "serving")].set(serving)
-
-    def set_ready(self, ready: bool) -> None:
-        self._ready.set(1 if ready else 0)
-
-    def artifact_rejected(self, reason: str) -> None:
-        _pick(self._artifacts_rejected, reason, "artifact reject reason").inc()
-
-    def compile_cache(self, hit: bool) -> None:
-        (self._cache_hits if hit else self._cache_misses).inc()
-
     # -- engine thread: steps and requests -----------------------------------------------------
     def prefill_done(self, key: GraphKey, rows: int, padding_tokens: int, seconds: float) -> None:
         """`padding_tokens` = sum(bucket - prompt_len) over real rows + bucket * pad rows."""
         if key not in self._prefill_keys:
             raise ValueError(f"{key} is not a prefill graph of the bucket table")
-        _check_count("rows", rows, 1, key.batch)
+        check_count("rows", rows, 1, key.batch)
         self._prefill_call(padding_tokens, key.batch * key.length - rows, seconds)
 
     def chunk_done(self, key: GraphKey, padding_tokens: int, seconds: float) -> None:
@@ -237,8 +151,8 @@ class Metrics:
 
     def _prefill_call(self, padding_tokens: int, max_padding: int, seconds: float) -> None:
         """Prefill and chunk calls share the padding counter and the seconds histogram."""
-        _check_count("padding_tokens", padding_tokens, 0, max_padding)
-        _check_seconds("seconds", seconds)
+        check_count("padding_tokens", padding_tokens, 0, max_padding)
+        check_seconds("seconds", seconds)
         if padding_tokens:
             self._padding_prefill.inc(padding_tokens)
         self._prefill_seconds.observe(seconds)
@@ -248,9 +162,9 @@ class Metrics:
         tokens count as prefill padding."""
         if key not in self._mixed_keys:
             raise ValueError(f"{key} is not a mixed graph of the bucket table")
-        _check_count("decode_rows", decode_rows, 0, min(key.batch, key.length - 1))
-        _check_count("padding_tokens", padding_tokens, 0, key.length - 1)
-        _check_seconds("seconds", seconds)
+        check_count("decode_rows", decode_rows, 0, min(key.batch, key.length - 1))
+        check_count("padding_tokens", padding_tokens, 0, key.length - 1)
+        check_seconds("seconds", seconds)
         if padding_tokens:
             self._padding_prefill.inc(padding_tokens)
         self._mixed_rows.inc(decode_rows)
@@ -258,11 +172,11 @@ class Metrics:
 
     def decode_stalled(self, seconds: float) -> None:
         """Decoding rows waited `seconds` for a prefill or chunk step between two of their tokens."""
-        _check_seconds("seconds", seconds)
+        check_seconds("seconds", seconds)
         self._decode_stall.observe(seconds)
 
     def prefill_chunks(self, chunks: int) -> None:
-        _check_count("chunks", chunks, 1)
+        check_count("chunks", chunks, 1)
         self._prefill_chunks.observe(chunks)
 
     def decode_step_done(self, batch: int, active: int, seconds: float, padding_rows: int) -> None:
@@ -270,22 +184,22 @@ class Metrics:
         one computed token."""
         if batch not in self._batch_sizes:
             raise ValueError(f"batch {batch!r} is not one of the batch buckets {list(self.table.batch_sizes)}")
-        _check_count("active", active, 0, batch)
-        _check_count("padding_rows", padding_rows, 0, batch - active)
-        _check_seconds("seconds", seconds)
+        check_count("active", active, 0, batch)
+        check_count("padding_rows", padding_rows, 0, batch - active)
+        check_seconds("seconds", seconds)
         if padding_rows:
             self._padding_decode.inc(padding_rows)
         self._occupancy.observe(active / batch)
         self._decode_step.observe(seconds)
 
     def request_started(self, bucket: int, queue_seconds: float) -> None:
-        _pick(self._ttft, bucket, "length bucket")  # validates the label like the other request hooks
-        _check_seconds("queue_seconds", queue_seconds)
+        pick(self._ttft, bucket, "length bucket")  # validates the label like the other request hooks
+        check_seconds("queue_seconds", queue_seconds)
         self._queue_wait.observe(queue_seconds)
 
     def first_token(self, bucket: int, seconds: float) -> None:
-        child = _pick(self._ttft, bucket, "length bucket")
-        _check_seconds("seconds", seconds)
+        child = pick(self._ttft, bucket, "length bucket")
+        check_seconds("seconds", seconds)
         child.observe(seconds)
 
     def request_finished(
@@ -293,10 +207,10 @@ class Metrics:
     ) -> None:
         """Once per prefilled request (aborted and failed ones too): duration, output tokens, the gaps
         between its consecutive tokens, and its finish reason ("stop" | "length" | "abort" | "error")."""
-        duration = _pick(self._duration, bucket, "length bucket")
-        finished = _pick(self._finished, finish_reason, "finish reason")
-        _check_seconds("seconds", seconds)
-        _check_count("output_tokens", output_tokens)
+        duration = pick(self._duration, bucket, "length bucket")
+        finished = pick(self._finished, finish_reason, "finish reason")
+        check_seconds("seconds", seconds)
+        check_count("output_tokens", output_tokens)
         duration.observe(seconds)
         if output_tokens:
             self._generation_tokens.inc(output_tokens)
@@ -306,26 +220,26 @@ class Metrics:
         finished.inc()
 
     def set_load(self, running: int, waiting: int, slots_free: int) -> None:
-        _check_count("running", running)
-        _check_count("waiting", waiting)
-        _check_count("slots_free", slots_free)
+        check_count("running", running)
+        check_count("waiting", waiting)
+        check_count("slots_free", slots_free)
         self._running.set(running)
         self._waiting.set(waiting)
         self._slots_free.set(slots_free)
 
     def request_aborted(self, reason: str) -> None:
-        _pick(self._aborted, reason, "abort reason").inc()
+        pick(self._aborted, reason, "abort reason").inc()
 
     # -- HTTP layer ---------------------------------------------------------------------------------
     def request_admitted(self, bucket: int, prompt_tokens: int) -> None:
-        child = _pick(self._bucket_requests, bucket, "length bucket")
-        _check_count("prompt_tokens", prompt_tokens, 1, bucket)
+        child = pick(self._bucket_requests, bucket, "length bucket")
+        check_count("prompt_tokens", prompt_tokens, 1, bucket)
         child.inc()
         self._prompt_tokens.inc(prompt_tokens)
         self._prompt_length.observe(prompt_tokens)
 
     def request_rejected(self, reason: str) -> None:
-        _pick(self._rejected, reason, "reject reason").inc()
+        pick(self._rejected, reason, "reject reason").inc()
 
     def request_over_limit(self) -> None:
         self._over_limit.inc()

@@ -18,7 +18,12 @@ NOT_HOOKS = {"render"}  # Metrics' exposition for GET /metrics (ServedMetrics), 
 
 
 def public_methods(cls: type) -> set[str]:
-    return {n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}
+    """Public methods `cls` defines or inherits from its own bases (Metrics takes the compilation hooks from
+    CompileSeries); not those of the protocol it may declare, nor object's."""
+    own = [c for c in cls.__mro__ if c is not object and c is not MetricsHooks and c.__module__ != "typing"]
+    if cls is MetricsHooks:
+        own = [cls]
+    return {n for c in own for n, v in vars(c).items() if callable(v) and not n.startswith("_")}
 
 
 def test_every_hook_is_listed_and_implemented() -> None:
