@@ -49,6 +49,9 @@ class CompileSettings:
     native_kernels: bool = True
     # CPU bf16 with AMX: "int8" runs steps of 1-128 rows on weight-only int8 copies of the linears (prepack.py).
     quantize: str = "none"
+    # CUDA with inductor: each graph replays as one CUDA graph (inductor's cudagraph trees; the static cache's
+    # buffers are marked static addresses) instead of one launch per kernel; a no-op for CPU graphs.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.quantize not in QUANTIZE_MODES:
@@ -163,6 +166,7 @@ def configure_compiler(settings: CompileSettings, num_graphs: int) -> None:
         import torch._inductor.config as inductor_config
 
         inductor_config.freezing = settings.inductor_freezing
+        inductor_config.triton.cudagraphs = settings.cuda_graphs
         # Round intermediates to the graph's dtype where eager rounds them: without it, bfloat16 graphs differ
         # from eager bfloat16 enough to flip near-tie argmaxes (SmolLM2's first answer token to "What is the
         # capital of France?": eager "The" 25.625 vs "L" 25.5; inductor 25.25 both, picking "L").

@@ -81,6 +81,10 @@ class GraphSet:
         (refused: RecompileError). skip_loaded: a graph just loaded from a sound artifact is not run (warm-up
         on one rank: its guards were checked against these very inputs; returns an empty tensor)."""
         fn = self.fns[key.phase]
+        if self.settings.cuda_graphs and key.phase != "sample":
+            # A new step: the CUDA graphs may reuse the memory of the last step's outputs (read by then: the
+            # sampled ids are on the host); the sampling graph reads this step's logits, so it marks nothing.
+            torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
         if self.aot:
             with torch.no_grad():
                 graph = self._graphs.get(key)

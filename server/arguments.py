@@ -41,6 +41,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU: decode attention (bfloat16 and float32) and bfloat16 linears of 1-4 rows in "
                              "bucketserve's own kernels, built on first use with the C compiler (default on; off: "
                              "PyTorch's SDPA and oneDNN)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
+                        help="--device cuda: replay each step's graph as CUDA graphs (inductor's cudagraph trees): "
+                             "one launch a step instead of one a kernel (default off)")
     parser.add_argument("--quantize", default=d.quantize, choices=list(QUANTIZE_MODES),
                         help="int8: steps of 1-128 rows (decode) read weight-only int8 copies of the linears, per "
                              "output channel (CPU bfloat16 with AMX; prompts of more tokens keep bf16)")
@@ -87,7 +90,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts", "inductor_freezing", "weight_prepack",
-                "mixed_steps", "native_kernels"}
+                "mixed_steps", "native_kernels", "cuda_graphs"}
 _SIZE_FIELDS = {"buckets", "batch_sizes", "prefill_batch_sizes", "kv_buckets"}
 
 

@@ -46,6 +46,7 @@ class ServerSettings:
     # weights for both) instead of running between them; --no-mixed-steps alternates prefill and decode steps.
     mixed_steps: bool = True
     native_kernels: bool = True
+    cuda_graphs: bool = False  # --device cuda with inductor: replay each step as CUDA graphs
     # Weight-only int8 for the memory-bound steps (CPU bfloat16 with AMX): "none" | "int8".
     quantize: str = "none"
     # Prompt-length buckets; () -> powers of two from 32 (CPU) or 64 up to the chunk length (or max_model_len).
@@ -118,6 +119,9 @@ class ServerSettings:
             raise SettingsError(f"tp_timeout must be positive, got {self.tp_timeout}")
         if self.num_threads < 0:
             raise SettingsError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.cuda_graphs and (self.device != "cuda" or self.compile_backend != "inductor"):
+            raise SettingsError("cuda_graphs needs --device cuda and --compile-backend inductor (CUDA graphs are "
+                                "inductor's, on a CUDA device)")
         if any(not key.strip() for key in self.api_keys):
             raise SettingsError("api_keys: an API key must not be empty (it would let requests without a key in)")
         if self.compile_backend == "neuron" and self.device != "neuron":

@@ -105,7 +105,7 @@ class EngineModel:
         prewarm = prewarm_inductor(self.compile_cache_dir()) if s.compile_backend == "inductor" else None
         compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
                                            s.inductor_freezing, s.weight_prepack, s.native_kernels,
-                                           quantize=s.quantize)
+                                           quantize=s.quantize, cuda_graphs=s.cuda_graphs)
         self.runner = self.build_runner(compile_settings, prewarm)
         log.info("bucket table: lengths %s, batch sizes %s, prefill batch sizes %s, KV lengths %s, mixed tokens "
                  "%s, context %d: %d graphs", list(self.table.lengths), list(self.table.batch_sizes),
@@ -153,7 +153,7 @@ class EngineModel:
         if compile_settings is None:
             compile_settings = CompileSettings(s.compile_backend, s.recompile_policy, self.compile_cache_dir(),
                                                s.inductor_freezing, s.weight_prepack, s.native_kernels,
-                                               quantize=s.quantize)
+                                               quantize=s.quantize, cuda_graphs=s.cuda_graphs)
         torch.set_num_threads(self.num_threads)
         t0 = time.monotonic()
         model = self.mesh.load(self.path, self.dtype) if self.mesh else load_model(self.path, self.dtype, s.device)

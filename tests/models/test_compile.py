@@ -22,3 +22,28 @@ def test_a_compile_that_bypasses_the_cache_is_a_miss_not_unknown() -> None:
         fn(torch.ones(3))
     assert [r.cache_hit for r in with_cache.records] == [False] and seen[0].cache_hit is False
     assert [r.cache_hit for r in without.records] == [None]  # no cache configured: nothing to say
+
+
+def test_cuda_graphs_set_inductors_switch_and_each_model_step_marks_a_new_step(monkeypatch: Any) -> None:
+    """--cuda-graphs turns on inductor's CUDA graphs (cudagraph trees) and, before each model graph (not the
+    sampling graph, which reads that step's logits), tells them a new step begins; off, neither."""
+    import torch._inductor.config as inductor_config
+
+    from buckets import GraphKey
+    from models.compile import CompileSettings, configure_compiler
+    from models.graph_set import GraphSet
+
+    monkeypatch.setattr(inductor_config.triton, "cudagraphs", False)
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    fns = {"decode": lambda model, x: x + 1, "sample": lambda model, x: x * 2}
+    for on in (False, True):
+        settings = CompileSettings(backend="inductor", cuda_graphs=on)
+        configure_compiler(settings, 2)
+        assert inductor_config.triton.cudagraphs is on
+        graphs = GraphSet(torch.nn.Linear(2, 2), CompileSettings(backend="eager", cuda_graphs=on), CompileAccountant(),
+                          2, fns)
+        marks.clear()
+        graphs.call(GraphKey("decode", 1, 8), (torch.ones(2),), fail_closed=False, skip_loaded=False)
+        graphs.call(GraphKey("sample", 1, 0), (torch.ones(2),), fail_closed=False, skip_loaded=False)
+        assert marks == ([1] if on else [])

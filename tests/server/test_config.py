@@ -128,3 +128,12 @@ def test_mixed_budget_is_capped_without_chunking() -> None:
     assert chunk512.mixed_tokens == (32, 64, 128, 256, 512, 1024) and chunk512.mixed_budget == 512
     small = parse(["--max-model-len", "512"]).bucket_table(512)  # solo buckets stop at the context
     assert small.mixed_tokens == (32, 64, 128, 256, 512) and (small.mixed_budget, small.solo_budget) == (256, 512)
+
+
+def test_cuda_graphs_are_off_by_default_and_only_for_cuda_with_inductor() -> None:
+    assert parse([]).cuda_graphs is False
+    assert parse(["--device", "cuda", "--cuda-graphs"]).cuda_graphs is True
+    assert parse(["--device", "cuda"], {"BUCKETSERVE_CUDA_GRAPHS": "1"}).cuda_graphs is True
+    for argv in (["--cuda-graphs"], ["--device", "cuda", "--compile-backend", "eager", "--cuda-graphs"]):
+        with pytest.raises(SettingsError, match="cuda_graphs needs --device cuda"):
+            parse(argv)
