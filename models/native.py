@@ -16,7 +16,7 @@ Why kernels of our own (measured in docs/performance.md, one thread):
   (1.3-1.4x oneDNN at 2-32 rows, 1.1-1.2x at 48-128; oneDNN from 256 rows on).
 - RMSNorm of prompt-sized steps (models/rms_norm.py): inductor's fused residual add and norm ~60-75 us a call at
   256 rows of 576 and ~380 at 1024, the kernel ~31 / ~130 (4-6% of a 128-1024-token prompt's step).
-float32 models take the decode attention kernel (fp32 in and out: PyTorch's SDPA spent ~4x its time on decode
+float32 models take the decode attention kernel (fp32 in and out: PyTorch's SDPA spent ~2.5x its time on decode
 rows, docs/performance.md) and keep MKL and SDPA elsewhere (the reference path, token-identical to transformers);
 other dtypes, shapes the kernels do not take, and machines where the build fails (logged once) use SDPA and oneDNN.
 The library's build and loading: models/native_library.py.

@@ -12,22 +12,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from bench_prompt import median_ms  # scripts/ is on the path of a script run from it
 
 CASES = ((1, 150), (8, 150), (16, 250))  # (rows, position)
-
-
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return round(statistics.median(times), 2)
 
 
 def op_alone(dtype_name: str, rounds: int) -> dict[str, list[float]]:
@@ -53,7 +43,7 @@ def op_alone(dtype_name: str, rounds: int) -> dict[str, list[float]]:
                 def layers_once(q: torch.Tensor = q, mask: torch.Tensor = mask) -> None:
                     for k, v in caches:
                         torch.ops.bucketserve.attention(q, k, v, mask, dim ** -0.5)
-                out.setdefault(f"{rows}@{position} {'on' if on else 'off'}", []).append(_median_ms(layers_once, 7))
+                out.setdefault(f"{rows}@{position} {'on' if on else 'off'}", []).append(median_ms(layers_once, 7))
     native_library.configure(True)
     return out
 
@@ -81,7 +71,7 @@ def steps(dtype_name: str, rounds: int) -> dict[str, Any]:
             for rows, position in CASES:
                 tokens = torch.full((rows,), 100, dtype=torch.long)
                 pos = torch.full((rows,), position, dtype=torch.long)
-                ms = _median_ms(functools.partial(runner.decode, rows, tokens, pos, 2048), 20)
+                ms = median_ms(functools.partial(runner.decode, rows, tokens, pos, 2048), 20)
                 out.setdefault(f"{rows}@{position} {'on' if on else 'off'}", []).append(ms)
     native_library.configure(True)
     out["serving_compilations"] = runner.accountant.count("serving")

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall ms of `repeats` calls of fn after one warm call (scripts/bench_decode_attention.py too)."""
     fn()
     times = []
     for _ in range(repeats):
@@ -73,7 +74,7 @@ def run(rounds: int, repeats: int, cache_dir: str) -> dict[str, Any]:
         for mode, fn in modes.items():
             attention.piece_attention = fn  # type: ignore[assignment]
             for case, call in cases.items():
-                steps[mode][case].append(_median_ms(call, repeats))
+                steps[mode][case].append(median_ms(call, repeats))
     attention.piece_attention = piece_attention
 
     # One layer's attention of a 256-token piece at position `start`, SmolLM2's heads (9 over 3 KV heads, D 64).
@@ -89,7 +90,7 @@ def run(rounds: int, repeats: int, cache_dir: str) -> dict[str, Any]:
         kernel = functools.partial(piece_attention, q, k, v, out, start, 0.125)
         sdpa = functools.partial(F.scaled_dot_product_attention, q[None], k[None, :, :end], v[None, :, :end],
                                  attn_mask=mask, scale=0.125, enable_gqa=True)
-        layer[f"piece at {start}"] = {"kernel": _median_ms(kernel, 30), "sdpa": _median_ms(sdpa, 30)}
+        layer[f"piece at {start}"] = {"kernel": median_ms(kernel, 30), "sdpa": median_ms(sdpa, 30)}
     summary = {m: {c: statistics.median(t) for c, t in per.items()} for m, per in steps.items()}
     return {"steps_ms": summary, "rounds_ms": steps, "layer_attention_ms": layer}
 

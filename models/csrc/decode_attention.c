@@ -322,7 +322,7 @@ int bucketserve_decode_attention_bf16(const uint16_t *q, const uint16_t *k, cons
 }
 
 /* The same over fp32 q, k, v and out (float32 models: PyTorch's SDPA spent ~0.6 ms a layer on 8 decode rows at
- * 150 positions, ~4x this kernel). */
+ * 150 positions, ~2.5x this kernel). */
 int bucketserve_decode_attention_f32(const float *q, const float *k, const float *v, float *out,
                                      const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,
                                      int64_t groups, int64_t dim, int64_t s_slot, int64_t s_head, float scale,
