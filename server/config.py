@@ -119,9 +119,6 @@ class ServerSettings:
             raise SettingsError(f"tp_timeout must be positive, got {self.tp_timeout}")
         if self.num_threads < 0:
             raise SettingsError(f"num_threads must be >= 0, got {self.num_threads}")
-        if self.cuda_graphs and (self.device != "cuda" or self.compile_backend != "inductor"):
-            raise SettingsError("cuda_graphs needs --device cuda and --compile-backend inductor (CUDA graphs are "
-                                "inductor's, on a CUDA device)")
         if any(not key.strip() for key in self.api_keys):
             raise SettingsError("api_keys: an API key must not be empty (it would let requests without a key in)")
         if self.compile_backend == "neuron" and self.device != "neuron":
@@ -136,6 +133,13 @@ class ServerSettings:
             raise SettingsError("--quantize int8 needs --device cpu, a bfloat16 dtype, --weight-prepack, "
                                 "--native-kernels, no --inductor-freezing and one rank (its int8 matmul is a CPU "
                                 "AMX kernel beside the prepacked weights)")
+
+    def check_cuda_graphs(self) -> None:
+        """Raise SettingsError when --cuda-graphs is asked for off CUDA or without inductor (checked where an engine
+        is built, as check_quantize)."""
+        if self.cuda_graphs and (self.device != "cuda" or self.compile_backend != "inductor"):
+            raise SettingsError("--cuda-graphs needs --device cuda and --compile-backend inductor (CUDA graphs are "
+                                "inductor's, on a CUDA device)")
 
     @property
     def wants_mixed_steps(self) -> bool:

@@ -70,6 +70,7 @@ class EngineModel:
         self.tokenizer: Any = load_tokenizer(model_path)
         self.config = AutoConfig.from_pretrained(model_path)
         settings.check_quantize()
+        settings.check_cuda_graphs()
         # Mixed steps' attention op has no sliding windows: such models keep separate prefill and decode steps.
         self.table = table or settings.bucket_table(max_positions(self.config), mixed_ok=_full_attention(self.config))
         self.name = settings.served_model_name or model_display_name(model_path)

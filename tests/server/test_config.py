@@ -134,6 +134,7 @@ def test_cuda_graphs_are_off_by_default_and_only_for_cuda_with_inductor() -> Non
     assert parse([]).cuda_graphs is False
     assert parse(["--device", "cuda", "--cuda-graphs"]).cuda_graphs is True
     assert parse(["--device", "cuda"], {"BUCKETSERVE_CUDA_GRAPHS": "1"}).cuda_graphs is True
+    parse(["--device", "cuda", "--cuda-graphs"]).check_cuda_graphs()
     for argv in (["--cuda-graphs"], ["--device", "cuda", "--compile-backend", "eager", "--cuda-graphs"]):
-        with pytest.raises(SettingsError, match="cuda_graphs needs --device cuda"):
-            parse(argv)
+        with pytest.raises(SettingsError, match="--cuda-graphs needs --device cuda"):
+            parse(argv).check_cuda_graphs()
