@@ -72,11 +72,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = torch.empty_like(q)
     slots = np.ascontiguousarray(slots, dtype=np.int64)
     extents = np.ascontiguousarray(extents, dtype=np.int64)
-    entry = _lib().bucketserve_decode_attention_f32 if q.dtype == torch.float32 else \
-        _lib().bucketserve_decode_attention_bf16
-    status = entry(
+    status = _lib().bucketserve_decode_attention(
         q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), slots.ctypes.data, extents.ctypes.data,
-        rows, heads, groups, dim, key.stride(0), key.stride(1), scale, threads)
+        rows, heads, groups, dim, key.stride(0), key.stride(1), scale, threads, int(q.dtype == torch.float32))
     return out if status == 0 else None
 
 

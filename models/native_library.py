@@ -109,11 +109,9 @@ def _load() -> None:
         log.warning("native kernels unavailable (%s); using SDPA and oneDNN", exc)
         return
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.bucketserve_decode_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                                      ctypes.c_float, ctypes.c_int]
-    lib.bucketserve_decode_attention_bf16.restype = ctypes.c_int
-    lib.bucketserve_decode_attention_f32.argtypes = lib.bucketserve_decode_attention_bf16.argtypes
-    lib.bucketserve_decode_attention_f32.restype = ctypes.c_int
+    lib.bucketserve_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                                 ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.bucketserve_decode_attention.restype = ctypes.c_int
     lib.bucketserve_small_matmul_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.bucketserve_small_matmul_bf16.restype = ctypes.c_int
     lib.bucketserve_mask_extents.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr]

@@ -274,11 +274,12 @@ int bucketserve_mask_extents(const void *mask, int64_t rows, int64_t cols, int64
     return prefix;
 }
 
-/* Every (row, KV head) of a decode step; elements bf16 (f32 == 0) or fp32 (f32 == 1). Returns 0, or -1 for shapes
- * this kernel does not take (the caller then uses SDPA). */
-static int decode_rows(const void *q, const void *k, const void *v, void *out, const int64_t *slots,
-                       const int64_t *ext, int64_t rows, int64_t heads, int64_t groups, int64_t dim, int64_t s_slot,
-                       int64_t s_head, float scale, int threads, const int f32) {
+/* Every (row, KV head) of a decode step; elements bf16 (f32 == 0, as uint16 bits) or fp32 (f32 == 1: float32
+ * models, where PyTorch's SDPA spent ~0.6 ms a layer on 8 decode rows at 150 positions, ~2.5x this kernel); shapes
+ * in the header comment. Returns 0, or -1 for shapes this kernel does not take (the caller then uses SDPA). */
+int bucketserve_decode_attention(const void *q, const void *k, const void *v, void *out, const int64_t *slots,
+                                 const int64_t *ext, int64_t rows, int64_t heads, int64_t groups, int64_t dim,
+                                 int64_t s_slot, int64_t s_head, float scale, int threads, int f32) {
     if (groups < 1 || groups > MAX_G || dim % 16 || dim < 16 || dim > 16 * MAX_C) return -1;
     const int64_t G = groups, D = dim, esz = f32 ? 4 : 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -313,23 +314,6 @@ static int decode_rows(const void *q, const void *k, const void *v, void *out, c
     return 0;
 }
 
-/* bf16 q, k, v and out (as uint16 bits); shapes in the header comment. */
-int bucketserve_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                                      const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,
-                                      int64_t groups, int64_t dim, int64_t s_slot, int64_t s_head, float scale,
-                                      int threads) {
-    return decode_rows(q, k, v, out, slots, ext, rows, heads, groups, dim, s_slot, s_head, scale, threads, 0);
-}
-
-/* The same over fp32 q, k, v and out (float32 models: PyTorch's SDPA spent ~0.6 ms a layer on 8 decode rows at
- * 150 positions, ~2.5x this kernel). */
-int bucketserve_decode_attention_f32(const float *q, const float *k, const float *v, float *out,
-                                     const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,
-                                     int64_t groups, int64_t dim, int64_t s_slot, int64_t s_head, float scale,
-                                     int threads) {
-    return decode_rows(q, k, v, out, slots, ext, rows, heads, groups, dim, s_slot, s_head, scale, threads, 1);
-}
-
 /* Decode attention read straight from the step's additive mask (one call a layer instead of a mask scan, numpy
  * bookkeeping and the kernel): row r attends slot r's positions [0, ext[r]) where ext comes from mask row r
  * (`mask_stride` elements apart, `cols` wide, `width` bytes an element). Returns 0; 1 when a row does not attend
@@ -349,5 +333,6 @@ int bucketserve_decode_attention_masked(const void *q, const void *k, const void
         if (ext[r] < 1) return 1;
         slots[r] = r;
     }
-    return decode_rows(q, k, v, out, slots, ext, rows, heads, groups, dim, s_slot, s_head, scale, threads, f32 != 0);
+    return bucketserve_decode_attention(q, k, v, out, slots, ext, rows, heads, groups, dim, s_slot, s_head, scale,
+                                        threads, f32 != 0);
 }
