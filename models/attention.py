@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.native import decode_attention, decode_attention_masked, mask_extents, piece_attention
+from models.native import ATTENTION_DTYPES, decode_attention, decode_attention_masked, mask_extents, piece_attention
 
 ATTENTION = "bucketserve_sdpa"
 _registered = False
@@ -237,10 +237,10 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     mask_ok = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1 \
         and attention_mask.is_floating_point()
     if (attention_mask is None and is_causal is not False and getattr(module, "is_causal", True) and 1 < q_len
-            and key.shape[-2] == q_len and query.dtype == torch.bfloat16 and _on_cpu(query) and not dropout
+            and key.shape[-2] == q_len and query.dtype in ATTENTION_DTYPES and _on_cpu(query) and not dropout
             and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None
             and not q_len > (kwargs.get("sliding_window") or q_len)):
-        # a prefill (transformers leaves the causal mask to is_causal): the AMX kernel where it takes the shapes
+        # a prefill (transformers leaves the causal mask to is_causal): the prompt kernel where it takes the shapes
         scale = scaling if scaling is not None else dim ** -0.5
         out = torch.ops.bucketserve.causal_attention(query, key, value, scale)
         return out.transpose(1, 2).contiguous(), None

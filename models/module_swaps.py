@@ -39,7 +39,7 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
     wants_prepack = settings.weight_prepack and not settings.inductor_freezing and settings.backend != "neuron" \
         and tp_size == 1
     native.configure(settings.native_kernels)
-    if device.type == "cpu" and dtype in native.DECODE_DTYPES:
+    if device.type == "cpu" and dtype in native.ATTENTION_DTYPES:
         native.available()  # build (once per machine) or load the kernels now, not in the first request's step
     int8 = settings.quantize == "int8"
     if int8 and not (wants_prepack and dtype == torch.bfloat16 and device.type == "cpu"):

@@ -16,9 +16,13 @@ Why kernels of our own (measured in docs/performance.md, one thread):
   (1.3-1.4x oneDNN at 2-32 rows, 1.1-1.2x at 48-128; oneDNN from 256 rows on).
 - RMSNorm of prompt-sized steps (models/rms_norm.py): inductor's fused residual add and norm ~60-75 us a call at
   256 rows of 576 and ~380 at 1024, the kernel ~31 / ~130 (4-6% of a 128-1024-token prompt's step).
-float32 models take the decode attention kernel (fp32 in and out: PyTorch's SDPA spent ~2.5x its time on decode
-rows, docs/performance.md) and keep MKL and SDPA elsewhere (the reference path, token-identical to transformers);
-other dtypes, shapes the kernels do not take, and machines where the build fails (logged once) use SDPA and oneDNN.
+- Prompt attention (models/csrc/piece_attention.c): PyTorch's CPU flash SDPA spends most of a prompt's attention
+  outside its two matmuls; the kernel computes each 16-token block's products from packed K and V (AMX tiles, or
+  AVX512-BF16 dot products without AMX: 3-4x SDPA); without AMX a bf16 512-1024-token prompt's step -25 to -28%.
+float32 models take the attention kernels (fp32 in and out: PyTorch's SDPA spent ~2.5x the decode kernel's time on
+decode rows and 1.4-2.1x the prompt kernel's on prompts, docs/performance.md) and keep MKL and oneDNN for linears (the
+reference path, token-identical to transformers); other dtypes, shapes the kernels do not take, and machines
+where the build fails (logged once) use SDPA and oneDNN.
 The library's build and loading: models/native_library.py.
 """
 
@@ -41,14 +45,14 @@ AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 128
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # decode_attention.c's MAX_G and 16 * MAX_C
 
 
-DECODE_DTYPES = (torch.bfloat16, torch.float32)  # decode_attention.c's element types
+ATTENTION_DTYPES = (torch.bfloat16, torch.float32)  # decode_attention.c's and piece_attention.c's element types
 
 
 def _decode_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """decode_attention.c takes these layouts: query [R, H_kv, G, D], key/value [S, H_kv, C, D] with the same
     strides, positions contiguous, all bf16 or all fp32, G <= MAX_GROUPS, D a multiple of 16 up to MAX_HEAD_DIM."""
     _, heads, groups, dim = query.shape
-    return not (query.dtype not in DECODE_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
+    return not (query.dtype not in ATTENTION_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
                 or key.shape[1] != heads or key.shape[3] != dim or value.shape != key.shape
                 or value.stride() != key.stride() or key.stride(3) != 1 or key.stride(2) != dim
                 or not 1 <= groups <= MAX_GROUPS or dim % 16 or not 16 <= dim <= MAX_HEAD_DIM)
@@ -104,23 +108,26 @@ def piece_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scale: float) -> bool:
     """A prompt piece's causal attention over its slot, into `out`: query and out [H, n, D] (views, D contiguous),
     key/value [H_kv, C, D] (D contiguous: a slot's buffers, or a prefill's keys); token t (position start + t) attends
-    positions [0, start + t]. Returns False, leaving `out` alone, where the AMX kernel does not take the inputs
-    (the caller uses SDPA)."""
+    positions [0, start + t]. bf16: AMX tiles where this process may use them, else AVX512-BF16 dot products;
+    fp32: AVX-512 FMAs, fp32 throughout. Returns False, leaving `out` alone, where the kernel does not take the
+    inputs (the caller uses SDPA)."""
     heads, n, dim = query.shape
     kv_heads = key.shape[0]
-    if (query.dtype != torch.bfloat16 or key.dtype != query.dtype or value.dtype != query.dtype
+    if (query.dtype not in ATTENTION_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
             or out.dtype != query.dtype or out.shape != query.shape or key.dim() != 3 or value.shape != key.shape
             or key.shape[2] != dim or heads % kv_heads or dim % 32 or not 32 <= dim <= MAX_HEAD_DIM
             or query.stride(2) != 1 or out.stride(2) != 1 or key.stride(2) != 1 or key.stride(1) < dim or key.stride(1) % 2
             or value.stride() != key.stride() or not 0 <= start or start + n > key.shape[1] or n < 1
-            or not amx_available()):
+            or not available() or not has("matmul")):  # "matmul": the build has AVX512-BF16 (the kernel's guard)
         return False
     threads = _threads()
     if threads is None:
         return False
-    status: int = _lib().bucketserve_piece_attention_bf16(
+    f32 = query.dtype == torch.float32
+    status: int = _lib().bucketserve_piece_attention(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), n, start, heads, kv_heads, dim,
-        query.stride(1), query.stride(0), out.stride(1), out.stride(0), key.stride(0), key.stride(1), scale, threads)
+        query.stride(1), query.stride(0), out.stride(1), out.stride(0), key.stride(0), key.stride(1), scale, threads,
+        int(has("amx") and not f32), int(f32))
     return status == 0
 
 

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
            _CSRC / "piece_attention.c", _CSRC / "linear.c", _CSRC / "rms_norm.c")
-HEADERS = (_CSRC / "vec16.h",)
+HEADERS = (_CSRC / "vec16.h", _CSRC / "piece_products.h")
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 _LOCK = threading.Lock()
@@ -120,8 +120,9 @@ def _load() -> None:
     lib.bucketserve_amx_matmul_bf16.restype = ctypes.c_int
     lib.bucketserve_amx_matmul_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.bucketserve_amx_matmul_q8.restype = ctypes.c_int
-    lib.bucketserve_piece_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, *[i64] * 11, ctypes.c_float, ctypes.c_int]
-    lib.bucketserve_piece_attention_bf16.restype = ctypes.c_int
+    lib.bucketserve_piece_attention.argtypes = [ptr, ptr, ptr, ptr, *[i64] * 11, ctypes.c_float, ctypes.c_int,
+                                                 ctypes.c_int, ctypes.c_int]
+    lib.bucketserve_piece_attention.restype = ctypes.c_int
     lib.bucketserve_decode_attention_masked.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int,
                                                         *[i64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.bucketserve_decode_attention_masked.restype = ctypes.c_int

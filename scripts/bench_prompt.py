@@ -1,9 +1,11 @@
-"""Prompt processing on the default server table (bf16, one compute thread): lone 512- and 1024-token prompts as
-pieces of 256 (a prefill, then mixed steps) and as one solo step (what the scheduler runs at an idle server), with
-prompt attention in the AMX kernel (models/csrc/piece_attention.c, the default) and in PyTorch's SDPA, alternated
-in one process (the graphs are the same: the attention ops choose at run time), plus one layer's attention alone.
+"""Prompt processing on the default server table (one compute thread): lone 512- and 1024-token prompts as pieces
+of 256 (a prefill, then mixed steps) and as one solo step (what the scheduler runs at an idle server), with prompt
+attention in the kernel (models/csrc/piece_attention.c, the default: AMX tiles or AVX512-BF16 products for bf16,
+AVX-512 FMAs for fp32) and in PyTorch's SDPA, alternated in one process (the graphs are the same: the attention
+ops choose at run time), plus one layer's attention alone.
 
-Usage: python scripts/bench_prompt.py [--rounds 3] [--repeats 5]. Writes results/bench-prompt.json and .md.
+Usage: python scripts/bench_prompt.py [--dtype bfloat16|float32] [--rounds 3] [--repeats 5]. Writes
+results/bench-prompt-<dtype>.json and .md.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return round(statistics.median(times), 2)
 
 
-def run(rounds: int, repeats: int, cache_dir: str) -> dict[str, Any]:
+def run(dtype_name: str, rounds: int, repeats: int, cache_dir: str) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
@@ -39,7 +41,8 @@ def run(rounds: int, repeats: int, cache_dir: str) -> dict[str, Any]:
     from server.config import ServerSettings
 
     torch.set_num_threads(1)
-    settings = ServerSettings(model="default", dtype="bfloat16", num_threads=1, compile_cache_dir=cache_dir)
+    dtype = getattr(torch, dtype_name)
+    settings = ServerSettings(model="default", dtype=dtype_name, num_threads=1, compile_cache_dir=cache_dir)
     model = build_model(settings)
     model.load_and_warm()
     runner = model.runner
@@ -79,14 +82,14 @@ def run(rounds: int, repeats: int, cache_dir: str) -> dict[str, Any]:
 
     # One layer's attention of a 256-token piece at position `start`, SmolLM2's heads (9 over 3 KV heads, D 64).
     torch.manual_seed(0)
-    k, v = torch.randn(3, 2048, 64).bfloat16(), torch.randn(3, 2048, 64).bfloat16()
+    k, v = torch.randn(3, 2048, 64).to(dtype), torch.randn(3, 2048, 64).to(dtype)
     layer: dict[str, dict[str, float]] = {}
     for start in (0, 256, 512, 768):
-        q = torch.randn(256, 9, 64).bfloat16().transpose(0, 1)
+        q = torch.randn(256, 9, 64).to(dtype).transpose(0, 1)
         out = torch.empty_like(q)
         end = start + 256
         seen = torch.arange(end)[None] <= torch.arange(start, end)[:, None]
-        mask = torch.zeros(seen.shape, dtype=torch.bfloat16).masked_fill_(~seen, float("-inf"))
+        mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf"))
         kernel = functools.partial(piece_attention, q, k, v, out, start, 0.125)
         sdpa = functools.partial(F.scaled_dot_product_attention, q[None], k[None, :, :end], v[None, :, :end],
                                  attn_mask=mask, scale=0.125, enable_gqa=True)
@@ -97,22 +100,23 @@ def run(rounds: int, repeats: int, cache_dir: str) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="results")
     parser.add_argument("--compile-cache-dir", default="auto")  # as serve: under ~/.cache/bucketserve
     args = parser.parse_args()
-    result = run(args.rounds, args.repeats, args.compile_cache_dir)
+    result = run(args.dtype, args.rounds, args.repeats, args.compile_cache_dir)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-prompt.json").write_text(json.dumps(result, indent=2))
-    lines = ["| step (ms, median of rounds) | AMX kernel | SDPA |", "|---|---|---|"]
+    (out / f"bench-prompt-{args.dtype}.json").write_text(json.dumps(result, indent=2))
+    lines = [f"| {args.dtype} step (ms, median of rounds) | kernel | SDPA |", "|---|---|---|"]
     for case, ms in result["steps_ms"]["kernel"].items():
         lines.append(f"| {case} | {ms:.1f} | {result['steps_ms']['sdpa'][case]:.1f} |")
-    lines += ["", "| one layer's attention, 256 tokens (ms) | AMX kernel | SDPA |", "|---|---|---|"]
+    lines += ["", "| one layer's attention, 256 tokens (ms) | kernel | SDPA |", "|---|---|---|"]
     for case, ms in result["layer_attention_ms"].items():
         lines.append(f"| {case} | {ms['kernel']:.3f} | {ms['sdpa']:.3f} |")
-    (out / "bench-prompt.md").write_text("\n".join(lines) + "\n")
+    (out / f"bench-prompt-{args.dtype}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -1,55 +1,39 @@
-/* Causal attention of a prompt piece over its slot, bfloat16, with AMX tiles (models/native.py builds and loads
- * this; models/attention.py calls it for the prompt pieces of mixed steps).
+/* Causal attention of a prompt piece over its slot, bfloat16 or float32 (models/native.py builds and loads this;
+ * models/attention.py calls it for the prompt pieces of mixed steps and for prefills).
  *
  * Why: PyTorch's CPU flash SDPA spends ~0.85 ns a score here (256 queries of 9 heads over 1024 positions: 2.0 ms a
- * layer, ~150 ms of a 1024-token prompt's 470), mostly outside its matmuls. With AMX the two products (scores
- * Q K^T and the output P V) are a few tile instructions per 16 x 16 block, which leaves the softmax's vector work.
+ * layer, ~150 ms of a 1024-token prompt's 470), mostly outside its matmuls. This computes each block's two
+ * products (scores Q K^T, output P V) straight from packed K and V: AMX tiles where the CPU has them (a few tile
+ * instructions per 16 x 16 block, which leaves the softmax's vector work), else AVX512-BF16 dot products; fp32 with
+ * AVX-512 FMAs (piece_products.h). Measured (one thread, SmolLM2's heads): AMX ~4x SDPA; without AMX (AMD EPYC)
+ * bf16 3.3-4.3x and fp32 1.4-2.1x SDPA at 128-1024 tokens.
  *
  * A piece is n tokens of one slot at positions start..start+n-1; token t sees positions [0, start + t] (causal,
- * bottom-right aligned). Shapes (elements, bf16 as uint16): q: token t, head h at q + t*qt + h*qh (D contiguous);
- * out the same with ot, oh; k, v: position p of KV head g at k + g*kvh + p*kvp (D contiguous). H query heads,
- * Hkv KV heads (H a multiple: head h reads KV head h / (H / Hkv), as repeat_kv). D % 32 == 0, D <= 256.
+ * bottom-right aligned). Shapes (elements: bf16 as uint16, or fp32): q: token t, head h at q + t*qt + h*qh (D
+ * contiguous); out the same with ot, oh; k, v: position p of KV head g at k + g*kvh + p*kvp (D contiguous). H query
+ * heads, Hkv KV heads (H a multiple: head h reads KV head h / (H / Hkv), as repeat_kv). D % 32 == 0, D <= 256.
  *
- * Per KV head, the positions [0, start + n) are copied once into the tiles' layouts, shared by the head's query
- * heads and all query blocks: K transposed into "VNNI" pairs (a B tile of the score product: row r holds the
- * dims 2r, 2r+1 of 16 positions) and V in pairs of positions (a B tile of the output product: row r holds
- * positions 2r, 2r+1 of 16 dims). Then per (query head, block of 16 tokens), without online rescaling:
- *   1. S [16, L] = Q K^T in fp32 tiles, L = the positions the block's last token sees (rounded up to 16);
- *   2. per row: max, p = exp(scale * (s - max)) = 2^(scale * log2(e) * (s - max)) over the positions the row sees (0 beyond), row sum in fp32, P in
- *      bf16 (as SDPA's bf16 kernels round P before the second product);
- *   3. O [16, D] = P V in fp32 tiles, divided by the row sums, rounded to bf16 once (nearest even).
+ * Per KV head, the positions [0, start + n) are copied once into the products' layouts, shared by the head's query
+ * heads and all query blocks. bf16: K transposed into "VNNI" pairs (row r of a 16-position block holds the dims
+ * 2r, 2r+1 of its 16 positions: an AMX B tile, or D/2 vectors) and V in pairs of positions (row r holds positions
+ * 2r, 2r+1 of 16 dims). fp32: K transposed per dim (16 positions a vector); V is read in place. Then per (query
+ * head, block of 16 tokens), without online rescaling:
+ *   1. S [16, L] = Q K^T in fp32, L = the positions the block's last token sees (rounded up to 16);
+ *   2. per row: max, p = exp(scale * (s - max)) = 2^(scale * log2(e) * (s - max)) over the positions the row sees
+ *      (0 beyond), row sum in fp32; bf16 rounds P (as SDPA's bf16 kernels do before the second product);
+ *   3. O [16, D] = P V in fp32, divided by the row sums (bf16: rounded once, nearest even).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #define MAX_D 256
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Every tile 16 rows of 64 bytes: tmm0-3 fp32 accumulators, tmm4 an A tile (Q or P), tmm5-7 B tiles (K or V). */
-static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
-    }
-    _tile_loadconfig(&c);
-}
 
 /* 2^t for t <= 0 (scores minus their row max, in base 2): 2^round(t) (scalef: exact, 0 below the fp32 range) times
  * 2^f, |f| <= 1/2, by its degree-5 Taylor polynomial (relative error < 3e-6; P is rounded to bf16 after). */
@@ -101,52 +85,28 @@ static void pack_v(const uint16_t *v, uint16_t *vv, int64_t L, int64_t Lp, int64
     }
 }
 
-/* One query head, tokens [t0, t0 + 16) of the piece (rows past n are zeros and not written). s: [16, Lp] fp32,
- * p: [16, Lp] bf16 scratch; qb: [16, D] bf16 scratch. */
-static void block(const uint16_t *q, int64_t qt, const uint16_t *kt, const uint16_t *vv, uint16_t *out, int64_t ot,
-                  int64_t t0, int64_t n, int64_t start, int64_t D, float scale, float *s, uint16_t *pb,
-                  uint16_t *qb) {
-    const int64_t rows = n - t0 < 16 ? n - t0 : 16;
-    const int64_t seen = start + t0 + rows;  /* positions the block's last row sees */
-    const int64_t L16 = (seen + 15) / 16 * 16, L32 = (seen + 31) / 32 * 32;
-    const int64_t dblocks = D / 32;
-    for (int64_t r = 0; r < 16; r++)
-        for (int64_t d = 0; d < D; d += 32)
-            _mm512_store_si512((__m512i *)(qb + r * D + d),
-                               r < rows ? _mm512_loadu_si512(q + (t0 + r) * qt + d) : _mm512_setzero_si512());
-    __asm__ volatile("" ::: "memory"); /* GCC's tile loads do not declare the memory they read (see amx_matmul.c) */
-    /* 1. scores, 16 positions a tile, two tiles at a time (two accumulator chains; a Q tile serves both) */
-    const int64_t sblocks = L16 / 16;
-    for (int64_t b = 0; b + 1 < sblocks; b += 2) {
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int64_t d = 0; d < dblocks; d++) {
-            _tile_loadd(4, qb + d * 32, D * 2);
-            _tile_loadd(5, kt + (b * dblocks + d) * 512, 64);
-            _tile_loadd(6, kt + ((b + 1) * dblocks + d) * 512, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-        }
-        _tile_stored(0, s + b * 16, L32 * 4);
-        _tile_stored(1, s + b * 16 + 16, L32 * 4);
+/* float32 K [L, D] of one KV head -> kt [Lp/16, D, 16]: kt[(b * D + d) * 16 + c] = K[16b + c, d]; 0 past L. */
+static void pack_k_f32(const float *k, float *kt, int64_t L, int64_t Lp, int64_t D, int64_t ps) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)ps));
+    for (int64_t b = 0; b < Lp / 16; b++) {
+        const int64_t valid = L - 16 * b < 16 ? L - 16 * b : 16;
+        const __mmask16 m = valid >= 16 ? 0xFFFF : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1);
+        for (int64_t d = 0; d < D; d++)
+            _mm512_store_ps(kt + (b * D + d) * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx,
+                                                                            k + 16 * b * ps + d, 4));
     }
-    if (sblocks % 2) {
-        const int64_t b = sblocks - 1;
-        _tile_zero(0);
-        for (int64_t d = 0; d < dblocks; d++) {
-            _tile_loadd(4, qb + d * 32, D * 2);
-            _tile_loadd(5, kt + (b * dblocks + d) * 512, 64);
-            _tile_dpbf16ps(0, 4, 5);
-        }
-        _tile_stored(0, s + b * 16, L32 * 4);
-    }
-    __asm__ volatile("" ::: "memory"); /* nor the memory they write */
-    /* 2. softmax rows: row r sees positions [0, start + t0 + r] */
-    float inv[16];
+}
+
+/* Step 2, rows [0, 16) of a block: row r sees positions [0, first + r] (first: the position of the block's first
+ * token), none when r >= rows. s [16, L32] fp32 scores in, P [16, L32] out, bf16 (as SDPA's bf16 kernels round P
+ * before the second product) or fp32 (f32), 0 past each row's positions up to L32; inv[r] = 1 / the row's sum (0
+ * for an empty row). */
+static void softmax_rows(const float *s, void *p, float *inv, int64_t rows, int64_t first, int64_t L16, int64_t L32,
+                         float scale, int f32) {
     for (int64_t r = 0; r < 16; r++) {
-        float *sr = s + r * L32;
-        uint16_t *pr = pb + r * L32;
-        const int64_t len = r < rows ? start + t0 + r + 1 : 0;
+        const float *sr = s + r * L32;
+        const int64_t len = r < rows ? first + r + 1 : 0;
         __m512 mx = _mm512_set1_ps(-3.0e38f);
         int64_t j = 0;
         for (; j + 16 <= len; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
@@ -161,47 +121,52 @@ static void block(const uint16_t *q, int64_t qt, const uint16_t *kt, const uint1
             __m512 e1 = j + 16 < L16 ? _mm512_loadu_ps(sr + j + 16) : _mm512_setzero_ps();
             e1 = _mm512_maskz_mov_ps(m1, exp2_le0(_mm512_fmsub_ps(e1, sc, m)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-            _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            if (f32) {
+                _mm512_storeu_ps((float *)p + r * L32 + j, e0);
+                _mm512_storeu_ps((float *)p + r * L32 + j + 16, e1);
+            } else {
+                _mm512_storeu_si512((uint16_t *)p + r * L32 + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            }
         }
         inv[r] = len ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
     }
-    __asm__ volatile("" ::: "memory");
-    /* 3. output, 64 dims (four accumulators) at a time, 32 positions a step */
-    float acc[4][16][16] __attribute__((aligned(64)));
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        const int64_t nd = D - d0 < 64 ? (D - d0) / 16 : 4;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t j = 0; j < L32; j += 32) {
-            const uint16_t *vb = vv + (j / 2) * D * 2 + d0 * 2; /* rows: position pairs, stride D pairs */
-            _tile_loadd(4, pb + j, L32 * 2);
-            _tile_loadd(5, vb, D * 4);
-            _tile_loadd(6, vb + 32, D * 4);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-            if (nd > 2) {
-                _tile_loadd(7, vb + 64, D * 4);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, vb + 96, D * 4);
-                _tile_dpbf16ps(3, 4, 5);
-            }
-        }
-        _tile_stored(0, acc[0], 64);
-        _tile_stored(1, acc[1], 64);
-        _tile_stored(2, acc[2], 64);
-        _tile_stored(3, acc[3], 64);
-        __asm__ volatile("" ::: "memory");
-        for (int64_t r = 0; r < rows; r++) {
-            const __m512 w = _mm512_set1_ps(inv[r]);
-            for (int64_t c = 0; c < nd; c += 2) {
-                const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc[c][r]), w);
-                const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(acc[c + 1][r]), w);
-                _mm512_storeu_si512(out + (t0 + r) * ot + d0 + c * 16, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-            }
-        }
+}
+
+#include "piece_products.h"
+
+/* One query head, tokens [t0, t0 + 16) of the piece (rows past n are zeros and not written); q, out: the head's
+ * first token; k, v: its KV head (fp32: V read in place); kt, vv: that head's packed K (and bf16 V). Scratch: s
+ * [16, Lp] fp32, p [16, Lp] and qb [16, D] of the element type. tiles: AMX products (bf16), else vector ones. */
+static void block(const void *q, int64_t qt, const void *v, int64_t ps, const void *kt, const uint16_t *vv, void *out,
+                  int64_t ot, int64_t t0, int64_t n, int64_t start, int64_t D, float scale, float *s, void *p,
+                  void *qb, int tiles, int f32) {
+    const int64_t rows = n - t0 < 16 ? n - t0 : 16;
+    const int64_t seen = start + t0 + rows;  /* positions the block's last row sees */
+    const int64_t L16 = (seen + 15) / 16 * 16, L32 = (seen + 31) / 32 * 32, es = f32 ? 4 : 2;
+    for (int64_t r = 0; r < 16; r++) /* row r of qb: token t0 + r's query, or zeros */
+        for (int64_t d = 0; d < D * es; d += 64)
+            _mm512_store_si512((__m512i *)((char *)qb + r * D * es + d),
+                               r < rows ? _mm512_loadu_si512((const char *)q + (t0 + r) * qt * es + d)
+                                        : _mm512_setzero_si512());
+    float inv[16];
+    if (f32) {
+        scores_f32(qb, kt, D, L16 / 16, L32, s);
+        softmax_rows(s, p, inv, rows, start + t0, L16, L32, scale, 1);
+        output_f32(p, v, ps, (float *)out + t0 * ot, ot, rows, start + t0, D, L32, inv);
+        return;
     }
+#if HAVE_TILES
+    if (tiles) {
+        scores_tiles(qb, kt, D, L16 / 16, L32, s);
+        softmax_rows(s, p, inv, rows, start + t0, L16, L32, scale, 0);
+        output_tiles(p, vv, (uint16_t *)out + t0 * ot, ot, rows, D, L32, inv);
+        return;
+    }
+#endif
+    (void)tiles;
+    scores_vec(qb, kt, D, L16 / 16, L32, s);
+    softmax_rows(s, p, inv, rows, start + t0, L16, L32, scale, 0);
+    output_vec(p, vv, (uint16_t *)out + t0 * ot, ot, rows, D, L32, inv);
 }
 
 /* Scratch buffer `i` of the calling thread, at least `bytes` long (64-byte aligned; kept between calls: a fresh
@@ -218,14 +183,18 @@ static void *scratch(int i, size_t bytes) {
     return buf[i];
 }
 
-/* Returns 0, or -1 when the shapes do not fit (the caller then uses SDPA). */
-int bucketserve_piece_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                                     int64_t n, int64_t start, int64_t H, int64_t Hkv, int64_t D, int64_t qt,
-                                     int64_t qh, int64_t ot, int64_t oh, int64_t kvh, int64_t kvp, float scale, int threads) {
+/* q, k, v, out: bf16 (uint16 bits), or fp32 (f32), strides in elements. tiles (bf16 only): the AMX products (the
+ * caller checked that this process may use the tiles), else vector dot products. Returns 0, or -1 when the shapes
+ * do not fit or the build has no tiles where asked (the caller then uses SDPA). */
+int bucketserve_piece_attention(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start,
+                                int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh, int64_t ot, int64_t oh,
+                                int64_t kvh, int64_t kvp, float scale, int threads, int tiles, int f32) {
     if (n < 1 || start < 0 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > MAX_D || kvp < D || kvp % 2) return -1;
-    const int64_t L = start + n, Lp = (L + 31) / 32 * 32, G = H / Hkv, qblocks = (n + 15) / 16;
-    uint16_t *kt = scratch(0, (size_t)(Hkv * Lp * D * 2)), *vv = scratch(1, (size_t)(Hkv * Lp * D * 2));
-    if (!kt || !vv) return -1;
+    if (tiles && (f32 || !HAVE_TILES)) return -1;
+    const int64_t L = start + n, Lp = (L + 31) / 32 * 32, G = H / Hkv, qblocks = (n + 15) / 16, es = f32 ? 4 : 2;
+    void *kt = scratch(0, (size_t)(Hkv * Lp * D * es));
+    uint16_t *vv = f32 ? NULL : scratch(1, (size_t)(Hkv * Lp * D * 2)); /* fp32 reads V in place */
+    if (!kt || (!f32 && !vv)) return -1;
     int failed = 0; /* a thread without its scratch: the caller then uses SDPA, which writes all of out */
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -235,39 +204,47 @@ int bucketserve_piece_attention_bf16(const uint16_t *q, const uint16_t *k, const
 #pragma omp for schedule(static)
 #endif
         for (int64_t g = 0; g < Hkv; g++) {
-            pack_k(k + g * kvh, kt + g * Lp * D, L, Lp, D, kvp);
-            pack_v(v + g * kvh, vv + g * Lp * D, L, Lp, D, kvp);
+            if (f32) {
+                pack_k_f32((const float *)k + g * kvh, (float *)kt + g * Lp * D, L, Lp, D, kvp);
+            } else {
+                pack_k((const uint16_t *)k + g * kvh, (uint16_t *)kt + g * Lp * D, L, Lp, D, kvp);
+                pack_v((const uint16_t *)v + g * kvh, vv + g * Lp * D, L, Lp, D, kvp);
+            }
         }
         float *s = scratch(2, (size_t)(16 * Lp * 4));
-        uint16_t *pb = scratch(3, (size_t)(16 * Lp * 2)), *qb = scratch(4, (size_t)(16 * D * 2));
-        if (!s || !pb || !qb) {
+        void *p = scratch(3, (size_t)(16 * Lp * es)), *qb = scratch(4, (size_t)(16 * D * es));
+        if (!s || !p || !qb) {
 #ifdef _OPENMP
 #pragma omp atomic write
 #endif
             failed = 1;
         }
-        configure();
-        __asm__ volatile("" ::: "memory");
+#if HAVE_TILES
+        if (tiles) configure();
+#endif
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t i = 0; i < H * qblocks; i++) {
-            if (!s || !pb || !qb) continue;
-            const int64_t h = i / qblocks, b = qblocks - 1 - i % qblocks; /* the longest blocks first */
-            block(q + h * qh, qt, kt + (h / G) * Lp * D, vv + (h / G) * Lp * D, out + h * oh, ot, b * 16, n, start,
-                  D, scale, s, pb, qb);
+            if (!s || !p || !qb) continue;
+            const int64_t h = i / qblocks, b = qblocks - 1 - i % qblocks, g = h / G; /* the longest blocks first */
+            block((const char *)q + h * qh * es, qt, (const char *)v + g * kvh * es, kvp, (char *)kt + g * Lp * D * es,
+                  f32 ? NULL : vv + g * Lp * D, (char *)out + h * oh * es, ot, b * 16, n, start, D, scale, s, p, qb,
+                  tiles, f32);
         }
-        _tile_release();
+#if HAVE_TILES
+        if (tiles) _tile_release();
+#endif
     }
     (void)threads;
     return failed ? -1 : 0;
 }
 #else
-int bucketserve_piece_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                                     int64_t n, int64_t start, int64_t H, int64_t Hkv, int64_t D, int64_t qt,
-                                     int64_t qh, int64_t ot, int64_t oh, int64_t kvh, int64_t kvp, float scale, int threads) {
+int bucketserve_piece_attention(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start,
+                                int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh, int64_t ot, int64_t oh,
+                                int64_t kvh, int64_t kvp, float scale, int threads, int tiles, int f32) {
     (void)q, (void)k, (void)v, (void)out, (void)n, (void)start, (void)H, (void)Hkv, (void)D, (void)qt, (void)qh;
-    (void)ot, (void)oh, (void)kvh, (void)kvp, (void)scale, (void)threads;
+    (void)ot, (void)oh, (void)kvh, (void)kvp, (void)scale, (void)threads, (void)tiles, (void)f32;
     return -1;
 }
 #endif

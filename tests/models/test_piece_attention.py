@@ -1,7 +1,8 @@
-"""The AMX kernel for prompt attention (models/csrc/piece_attention.c): a piece of n tokens at positions start..
-start+n-1 attends causally over its slot; it equals float32 attention to bf16 rounding, never reads a position
-past the piece, takes strided queries and keys (a prefill's keys are a transposed view), declines what it cannot
-take; mixed steps' prompt pieces and bf16 prefills use it, float32 keeps SDPA."""
+"""The prompt attention kernel (models/csrc/piece_attention.c): a piece of n tokens at positions start..start+n-1
+attends causally over its slot; bf16 (AMX tiles, or AVX512-BF16 vector products without them) equals float32
+attention to bf16 rounding, fp32 equals it to fp32 rounding; it never reads a position past the piece, takes
+strided queries and keys (a prefill's keys are a transposed view), declines what it cannot take; mixed steps'
+prompt pieces and causal prefills use it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,18 @@ from models.attention import packed_sdpa, register
 from tests.models.test_attention import FakeAttention
 from tests.models.test_native_kernels import threads  # noqa: F401 (the fixture: 1 and 2 threads)
 
-needs_amx = pytest.mark.skipif(not native.amx_available(), reason="the kernel needs AMX (the CPU path falls back)")
+needs_kernel = pytest.mark.skipif(not (native.available() and native.has("matmul")),
+                                  reason="the kernel needs AVX512-BF16 (the CPU path falls back to SDPA)")
+
+
+@pytest.fixture(params=["tiles", "vector"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The bf16 products: AMX tiles (where this CPU has them) or vector dot products (forced on AMX CPUs)."""
+    if request.param == "tiles" and not native.amx_available():
+        pytest.skip("no AMX here")
+    if request.param == "vector":
+        monkeypatch.setitem(native_library._state, "amx", False)
+    return str(request.param)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -26,42 +38,50 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sc
                                           attn_mask=seen, scale=scale, enable_gqa=q.shape[0] != k.shape[0])[0]
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 96)])
 @pytest.mark.parametrize(("start", "n"), [(0, 1), (0, 40), (5, 16), (17, 33), (100, 3), (64, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.usefixtures("threads")  # 1 and 2 compute threads
-def test_kernel_equals_float32_causal_attention(heads: int, kv_heads: int, dim: int, start: int, n: int) -> None:
+def test_kernel_equals_float32_causal_attention(heads: int, kv_heads: int, dim: int, start: int, n: int,
+                                                dtype: torch.dtype, path: str) -> None:
+    if dtype == torch.float32 and path == "tiles":
+        pytest.skip("fp32 has one path")
     torch.manual_seed(start * 7 + n + dim)
     context = 200
-    k = torch.randn(kv_heads, context, dim).bfloat16()
-    v = torch.randn(kv_heads, context, dim).bfloat16()
+    k = torch.randn(kv_heads, context, dim).to(dtype)
+    v = torch.randn(kv_heads, context, dim).to(dtype)
     k[:, start + n :], v[:, start + n :] = float("nan"), float("nan")  # past the piece: reading there shows
-    q = torch.randn(n, heads, dim).bfloat16().transpose(0, 1)  # [H, n, D] viewed from [n, H, D], as in a step
-    out = torch.full((n, heads, dim), float("nan")).bfloat16().transpose(0, 1)
+    q = torch.randn(n, heads, dim).to(dtype).transpose(0, 1)  # [H, n, D] viewed from [n, H, D], as in a step
+    out = torch.full((n, heads, dim), float("nan")).to(dtype).transpose(0, 1)
     scale = dim ** -0.5
     assert native.piece_attention(q, k, v, out, start, scale)
     assert torch.isfinite(out).all()
     want = _reference(q, torch.nan_to_num(k), torch.nan_to_num(v), start, scale)
-    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)  # P and the result rounded to bf16
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5  # bf16: P and the result rounded to bf16
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
 
 
-@needs_amx
-def test_kernel_reads_keys_with_a_position_stride() -> None:
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_reads_keys_with_a_position_stride(dtype: torch.dtype, path: str) -> None:
     """A prefill's keys are [H_kv, L, D] viewed from [L, H_kv, D]: positions H_kv * D elements apart."""
     torch.manual_seed(3)
     n, heads, kv_heads, dim = 37, 6, 2, 64
-    k = torch.randn(n, kv_heads, dim).bfloat16().transpose(0, 1)
-    v = torch.randn(n, kv_heads, dim).bfloat16().transpose(0, 1)
-    q = torch.randn(heads, n, dim).bfloat16()
+    k = torch.randn(n, kv_heads, dim).to(dtype).transpose(0, 1)
+    v = torch.randn(n, kv_heads, dim).to(dtype).transpose(0, 1)
+    q = torch.randn(heads, n, dim).to(dtype)
     out = torch.empty_like(q)
     assert native.piece_attention(q, k, v, out, 0, 0.125)
-    torch.testing.assert_close(out.float(), _reference(q, k, v, 0, 0.125), rtol=2e-2, atol=2e-2)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(out.float(), _reference(q, k, v, 0, 0.125), rtol=tol, atol=tol)
 
 
 def test_kernel_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k = torch.randn(4, 8, 64), torch.randn(2, 32, 64)
     out = torch.zeros_like(q)
-    assert not native.piece_attention(q, k, k, out, 0, 0.125)  # float32: the reference path, SDPA
+    assert not native.piece_attention(q.half(), k.half(), k.half(), out.half(), 0, 0.125)  # float16: SDPA
+    assert not native.piece_attention(q.bfloat16(), k, k, out, 0, 0.125)  # mixed element types
     assert not out.any()
     q16, k16, o16 = q.bfloat16(), k.bfloat16(), out.bfloat16()
     assert not native.piece_attention(q16[..., :48], k16[..., :48], k16[..., :48], o16[..., :48], 0, 0.1)  # D % 32
@@ -86,7 +106,7 @@ def piece_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return calls
 
 
-@needs_amx
+@needs_kernel
 def test_mixed_step_prompt_pieces_use_the_kernel(monkeypatch: pytest.MonkeyPatch, piece_calls: list[bool]) -> None:
     """Two prompt pieces (slot 0 from position 0, slot 2 from 20) around a decoding row: the kernel's output is
     SDPA's to bf16 rounding; padding tokens stay zero."""
@@ -105,8 +125,8 @@ def test_mixed_step_prompt_pieces_use_the_kernel(monkeypatch: pytest.MonkeyPatch
     assert not ours[:, :, -2:].any()
 
 
-@needs_amx
-def test_bf16_prefill_attention_takes_the_kernel_and_float32_keeps_sdpa(piece_calls: list[bool]) -> None:
+@needs_kernel
+def test_causal_prefill_attention_takes_the_kernel(piece_calls: list[bool]) -> None:
     torch.manual_seed(5)
     b, kv, groups, n, dim = 2, 2, 3, 24, 32
     q = torch.randn(b, n, kv * groups, dim).transpose(1, 2)  # [b, H, n, D] as transformers passes it
@@ -114,16 +134,18 @@ def test_bf16_prefill_attention_takes_the_kernel_and_float32_keeps_sdpa(piece_ca
     module = FakeAttention()
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
     fp32, _ = packed_sdpa(module, q, k, v, None, scaling=dim ** -0.5)
-    assert piece_calls == [] and torch.allclose(fp32, want, atol=1e-5)
-    ours, _ = packed_sdpa(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), None, scaling=dim ** -0.5)
     assert piece_calls == [True, True]  # one call per row
+    torch.testing.assert_close(fp32, want, rtol=1e-5, atol=1e-5)
+    piece_calls.clear()
+    ours, _ = packed_sdpa(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), None, scaling=dim ** -0.5)
+    assert piece_calls == [True, True]
     assert ours.shape == (b, n, kv * groups, dim) and ours.dtype == torch.bfloat16
     torch.testing.assert_close(ours.float(), want, rtol=2e-2, atol=2e-2)
     packed_sdpa(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), None, scaling=dim ** -0.5, is_causal=False)
     assert len(piece_calls) == 2  # not causal: SDPA
 
 
-@needs_amx
+@needs_kernel
 def test_a_bf16_llama_gives_the_same_logits_with_the_kernel(monkeypatch: pytest.MonkeyPatch,
                                                             piece_calls: list[bool]) -> None:
     """End to end in a transformers model (head dim 32): our attention function with the kernel against the same
