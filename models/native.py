@@ -194,23 +194,32 @@ def small_matmul_takes(weight: torch.Tensor) -> bool:
             and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0 and available() and has("matmul"))
 
 
+def one_row_f32_takes(weight: torch.Tensor) -> bool:
+    """The float32 one-row matmul (small_matmul.c) can read this weight as it is: [N, K] fp32, contiguous, K and N
+    multiples of 16 (built with the other AVX-512 kernels)."""
+    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous()
+            and weight.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0 and available() and has("matmul"))
+
+
 # (kind, weight copy's address, scales' address or 0): what linear.c's entries read. kind 0: the small matmul on
-# the plain weight; 1: the AMX matmul on the tile copy (amx_pack); 2: the int8 tile copy and its scales (int8_pack)
+# the plain weight; 1: the AMX matmul on the tile copy (amx_pack); 2: the int8 tile copy and its scales (int8_pack);
+# 3: the float32 one-row matmul on the plain fp32 weight
 Kernel = tuple[int, int, int]
-SMALL, AMX, AMX_INT8 = 0, 1, 2
+SMALL, AMX, AMX_INT8, ONE_ROW_F32 = 0, 1, 2, 3
 
 
 def packed_linear(x: torch.Tensor, kernel: Kernel, n: int) -> torch.Tensor | None:
-    """x [..., K] bf16 contiguous @ the weight `kernel` reads (chosen once per weight by models/prepack.py) ->
-    [..., N] bf16; None when the kernel declines (the caller uses oneDNN). The lean path: the C side checks the
-    shapes; the output is made in its final shape (a reshape and a view cost ~2 us of a ~10 us one-row call)."""
+    """x [..., K] bf16 (fp32 for ONE_ROW_F32) contiguous @ the weight `kernel` reads (chosen once per weight by
+    models/prepack.py) -> [..., N] in x's dtype; None when the kernel declines (the caller uses oneDNN). The lean
+    path: the C side checks the shapes; the output is made in its final shape (a reshape and a view cost ~2 us of a
+    ~10 us one-row call)."""
     threads = _threads()
     if threads is None:
         return None
     k = x.shape[-1]
     out = x.new_empty((*x.shape[:-1], n))
     kind, w, s = kernel
-    if _lib().bucketserve_linear_bf16(x.data_ptr(), w, s, out.data_ptr(), x.numel() // k, n, k, kind, threads):
+    if _lib().bucketserve_linear(x.data_ptr(), w, s, out.data_ptr(), x.numel() // k, n, k, kind, threads):
         return None
     return out
 

@@ -126,8 +126,8 @@ def _load() -> None:
     lib.bucketserve_decode_attention_masked.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int,
                                                         *[i64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.bucketserve_decode_attention_masked.restype = ctypes.c_int
-    lib.bucketserve_linear_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    lib.bucketserve_linear_bf16.restype = ctypes.c_int
+    lib.bucketserve_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    lib.bucketserve_linear.restype = ctypes.c_int
     lib.bucketserve_gated_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int,
                                            ctypes.c_int]
     lib.bucketserve_gated_bf16.restype = ctypes.c_int

@@ -25,13 +25,15 @@ precision and the tokens that follow are computed with the int8 weights.
 Numerics: the same oneDNN bf16 kernel with fp32 accumulation as the plain path (outputs agree to the bf16
 rounding; the small-row kernel sums in another order, also in fp32).
 
-float32 (the reference dtype): steps of 2+ rows take oneDNN's fp32 matmul on the packed copy, one-row steps MKL's
-on the plain weight, as transformers' eager path does. MKL's sgemm is slow at a few rows here (one thread, 8 rows:
+float32 (the reference dtype): steps of 2+ rows take oneDNN's fp32 matmul on the packed copy, one-row steps the
+native fp32 one-row matmul on the plain weight (models/csrc/small_matmul.c: 16 weight rows streamed at a time, ~1.5x
+MKL's sgemv here, fp32 sums in another order), or MKL's, as transformers' eager path does, where the native
+kernels are off or do not take the weight. MKL's sgemm is slow at a few rows here (one thread, 8 rows:
 0.35 ms for a 1536x576 weight against oneDNN's 0.18 from the packed copy, the lm_head 14.8 against 6.4 ms), and
 oneDNN is as fast or faster up to prompt-sized steps. Its sums run in another order than MKL's: outputs differ by
 fp32 rounding (~1e-5 here), as MKL's own batched and one-row results already did, and greedy tokens stay those
-of transformers' eager float32 (`bucketserve verify --dtype float32`, the invariance tests). No native kernels,
-no fused MLP, no native RMSNorm in float32.
+of transformers' eager float32 (`bucketserve verify --dtype float32`, the invariance tests). No fused MLP, no
+native RMSNorm in float32 (its native kernels: this one-row matmul and the attention kernels).
 Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16), the AMX copy a
 third (and the lm_head's: 57 MB more for SmolLM2's tied embeddings); the int8 copy, where it replaces the AMX
 one, half of that.
@@ -53,12 +55,14 @@ from models.native import (
     AMX,
     AMX_INT8,
     AMX_MAX_ROWS,
+    ONE_ROW_F32,
     SMALL,
     SMALL_MATMUL_MAX_ROWS,
     Kernel,
     amx_available,
     amx_pack,
     int8_pack,
+    one_row_f32_takes,
     packed_linear,
     small_matmul_takes,
 )
@@ -80,7 +84,11 @@ class Packed(NamedTuple):
 
 def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str) -> Packed:
     """The copies of `weight` (oneDNN's, and the AMX or int8 tiles) and which kernel each step size reads: int8
-    (1-128 rows) where quantized, else the small matmul for one row (and 2-4 without AMX) and AMX for 2-128."""
+    (1-128 rows) where quantized, else the small matmul for one row (and 2-4 without AMX) and AMX for 2-128;
+    float32: the fp32 one-row matmul for one row."""
+    if weight.dtype == torch.float32:  # one row: the fp32 one-row matmul (or MKL's); more: oneDNN
+        one: Kernel | None = (ONE_ROW_F32, weight.data_ptr(), 0) if one_row_f32_takes(weight) else None
+        return Packed(weight.shape, onednn, None, None, one, None, 1)
     q8 = int8_pack(weight) if quantize == "int8" else None
     amx = amx_pack(weight) if q8 is None else None
     small: Kernel | None = (SMALL, weight.data_ptr(), 0) if small_matmul_takes(weight) else None
@@ -111,7 +119,8 @@ def packed_for(weight: torch.Tensor, x: torch.Tensor) -> Packed | None:
 
 
 def _one_float32_row(x: torch.Tensor) -> bool:
-    """A float32 input of one row: MKL's matmul on the plain weight (the reference's own kernel) is faster there."""
+    """A float32 input of one row: the fp32 one-row matmul on the plain weight, or MKL's (the reference's own
+    kernel), is faster there than oneDNN's."""
     return x.dtype is torch.float32 and x.numel() == x.shape[-1]
 
 
@@ -119,13 +128,17 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     """x [..., in] @ weight[out, in].T + bias -> [..., out], through the packed copy when there is one (the
     op's CPU kernel; models/gated_mlp.py calls it directly)."""
     entry = packed_for(weight, x)
-    if entry is None or _one_float32_row(x):
+    if entry is None:
         return F.linear(x, weight, bias)
-    kernel = entry.kernel(x.numel() // x.shape[-1]) if x.dtype is torch.bfloat16 and native.enabled() else None
+    one_f32 = _one_float32_row(x)
+    native_dtype = x.dtype is torch.bfloat16 or one_f32
+    kernel = entry.kernel(x.numel() // x.shape[-1]) if native_dtype and native.enabled() else None
     if kernel is not None:
         out = packed_linear(x if x.is_contiguous() else x.contiguous(), kernel, entry.shape[0])
         if out is not None:
             return out if bias is None else out.add_(bias)
+    if one_f32:
+        return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # oneDNN takes [rows, in]
     dense: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, entry.onednn, bias, "none", [], "")
     return dense.view(*x.shape[:-1], weight.shape[0])
@@ -144,10 +157,6 @@ class PrepackedLinear(nn.Linear):
     class swap, so hooks, names, tied weights and checkpoints are untouched)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if _one_float32_row(input):
-            # MKL's matmul in the graph itself, as before prepacking (decided when the graph is traced: shapes
-            # are static), without the op's call (~5 us a linear, 211 a step)
-            return F.linear(input, self.weight, self.bias)
         out: torch.Tensor = torch.ops.bucketserve.linear(input, self.weight, self.bias)
         return out
 

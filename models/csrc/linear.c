@@ -4,35 +4,39 @@
  * than a one-row step's arithmetic (~10 us a linear, ~35 us an MLP, x 210 linears / 30 MLPs a step).
  *
  * kind: 0 the small matmul on the plain weight [N, K]; 1 the AMX matmul on its tile copy; 2 the AMX matmul on
- * the int8 tile copy with per-column scales `s`. */
+ * the int8 tile copy with per-column scales `s`; 3 the float32 one-row matmul on the plain fp32 weight (x and y
+ * fp32; the others read and write bf16). */
 #include "vec16.h"
 
 int bucketserve_small_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
                                   int64_t k, int threads);
 int bucketserve_amx_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K,
                                 int threads);
+int bucketserve_small_matmul_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, int64_t k,
+                                 int threads);
 int bucketserve_amx_matmul_q8(const uint16_t *x, const int8_t *q, const float *scale, uint16_t *y, int64_t M,
                               int64_t N, int64_t K, int threads);
 
 /* y [M, N] = x [M, K] @ w.T. Returns 0, or -1 when the kernel does not take the shapes (the caller uses oneDNN). */
-int bucketserve_linear_bf16(const uint16_t *x, const void *w, const float *s, uint16_t *y, int64_t M, int64_t N,
-                            int64_t K, int kind, int threads) {
+int bucketserve_linear(const void *x, const void *w, const float *s, void *y, int64_t M, int64_t N, int64_t K,
+                       int kind, int threads) {
     switch (kind) {
     case 0: return bucketserve_small_matmul_bf16(x, (const uint16_t *)w, y, M, N, K, threads);
     case 1: return bucketserve_amx_matmul_bf16(x, (const uint16_t *)w, y, M, N, K, threads);
     case 2: return bucketserve_amx_matmul_q8(x, (const int8_t *)w, s, y, M, N, K, threads);
+    case 3: return bucketserve_small_matmul_f32(x, (const float *)w, y, M, N, K, threads);
     default: return -1;
     }
 }
 
 /* y [M, N] = silu(x @ wg.T) * (x @ wu.T), both weights of the same kind; gate [M, N] is scratch. Rounding as
  * eager bf16: each matmul's output, silu's and the product's are rounded to bf16 (silu in fp32 from the rounded
- * gate). Returns 0, or -1 as bucketserve_linear_bf16. */
+ * gate). Returns 0, or -1 as bucketserve_linear. */
 int bucketserve_gated_bf16(const uint16_t *x, const void *wg, const float *sg, const void *wu, const float *su,
                            uint16_t *y, uint16_t *gate, int64_t M, int64_t N, int64_t K, int kind, int threads) {
     if ((M * N) % 16) return -1;
-    if (bucketserve_linear_bf16(x, wg, sg, gate, M, N, K, kind, threads) != 0) return -1;
-    if (bucketserve_linear_bf16(x, wu, su, y, M, N, K, kind, threads) != 0) return -1;
+    if (kind == 3 || bucketserve_linear(x, wg, sg, gate, M, N, K, kind, threads) != 0) return -1;
+    if (bucketserve_linear(x, wu, su, y, M, N, K, kind, threads) != 0) return -1;
     for (int64_t i = 0; i < M * N; i += 16) {
         v16f g = load_bf16(gate + i), u = load_bf16(y + i);
         /* sigmoid from exp(-|g|) (vexp takes x <= 0): 1 / (1 + e) for g >= 0, e / (1 + e) below */

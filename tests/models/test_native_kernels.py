@@ -192,6 +192,24 @@ def test_small_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_f
     torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 16), (48, 64), (960, 576), (576, 1536)])
+def test_float32_one_row_matmul_equals_mkl(out_features: int, in_features: int, threads: int) -> None:
+    """The fp32 one-row matmul (small_matmul.c, 16 weight rows at a time) equals MKL's to fp32 rounding, and
+    declines more rows and weights whose sizes are not multiples of 16."""
+    torch.manual_seed(out_features + in_features)
+    w = torch.randn(out_features, in_features) * in_features ** -0.5
+    x = torch.randn(1, in_features)
+    if not native.one_row_f32_takes(w):
+        pytest.skip("no AVX-512 kernels on this CPU")
+    kernel = (native.ONE_ROW_F32, w.data_ptr(), 0)
+    got = native.packed_linear(x, kernel, out_features)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (1, out_features)
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
+    assert native.packed_linear(torch.randn(2, in_features), kernel, out_features) is None  # one row only
+    assert not native.one_row_f32_takes(torch.randn(out_features + 8, in_features))
+    assert not native.one_row_f32_takes(w.bfloat16())
+
+
 def test_small_matmul_declines_what_it_does_not_take() -> None:
     w = torch.randn(48, 64).bfloat16()
     assert native.small_matmul(torch.randn(5, 64).bfloat16(), w) is None  # 5 rows: oneDNN's

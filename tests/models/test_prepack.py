@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+import models.prepack as prepack_module
 from buckets import BucketTable
-from models import native_library
+from models import native, native_library
 from models.compile import CompileSettings
 from models.generator import generate_one
 from models.loading import load_model
@@ -99,21 +100,32 @@ def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: 
     assert outputs[0] == outputs[1]
 
 
-def test_float32_takes_mkl_for_one_row_and_onednn_for_more(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32: one row is MKL's plain matmul, bit for bit the reference's; several rows read the packed copy
-    (oneDNN, sums in another order: equal within fp32 rounding)."""
+def test_float32_takes_the_one_row_kernel_or_mkl_for_one_row_and_onednn_for_more(
+        tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32: one row reads the plain weight, through the native fp32 one-row matmul (sums in another order:
+    equal within fp32 rounding) or, with the kernels off, MKL's plain matmul (bit for bit the reference's);
+    several rows read the packed copy (oneDNN, equal within fp32 rounding)."""
     model = load_model(tiny_llama, "float32", "cpu")
     assert prepack(model) > 0
     layer = next(m for m in model.modules() if isinstance(m, PrepackedLinear))
     w = layer.weight.detach()
     one = torch.randn(1, 1, w.shape[1])
+    kernel_calls: list[int] = []
+    real_packed = prepack_module.packed_linear
+
+    def counted(*args: object) -> torch.Tensor | None:
+        kernel_calls.append(1)
+        return real_packed(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prepack_module, "packed_linear", counted)
+    got = layer(one)  # the layer calls the op for one row too
+    if native.available() and native.has("matmul"):
+        assert kernel_calls == [1]
+        torch.testing.assert_close(got, nn.functional.linear(one, w, layer.bias), rtol=1e-5, atol=1e-5)
+    monkeypatch.setitem(native_library._switch, "on", False)
+    kernel_calls.clear()
     assert torch.equal(torch.ops.bucketserve.linear(one, w, None), nn.functional.linear(one, w))
-    op = torch.ops.bucketserve.linear
-    ops: list[int] = []
-    monkeypatch.setattr(torch.ops.bucketserve, "linear", lambda *a: ops.append(1) or op(*a))
-    assert torch.equal(layer(one), nn.functional.linear(one, w, layer.bias)) and ops == []  # F.linear, no op
-    layer(torch.randn(2, w.shape[1]))
-    assert ops == [1]
+    assert kernel_calls == []  # kernels off: MKL's matmul, the reference's own
     monkeypatch.undo()
     rows = torch.randn(8, w.shape[1])
     torch.testing.assert_close(torch.ops.bucketserve.linear(rows, w, None), nn.functional.linear(rows, w),
