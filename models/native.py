@@ -1,7 +1,7 @@
-"""bucketserve's own CPU kernels (models/csrc/): decode attention and bf16 matmuls for decode-sized steps. Built
+"""bucketserve's own CPU kernels (models/csrc/): attention, and matmuls for decode-sized steps. Built
 once per machine with the C compiler the CPU path already needs (inductor compiles its kernels with it), loaded
-through ctypes, and used by the attention ops (decoding rows) and the prepacked linear op (steps of 1-128 rows)
-of bfloat16 models.
+through ctypes, and used by the attention ops (decoding rows, prompt pieces) and the prepacked linear op (bf16
+steps of 1-128 rows, fp32 one-row steps).
 
 Why kernels of our own (measured in docs/performance.md, one thread):
 - Decode attention. A decode row has one query token, so per KV head a handful of queries (three for SmolLM2)
@@ -20,9 +20,10 @@ Why kernels of our own (measured in docs/performance.md, one thread):
   outside its two matmuls; the kernel computes each 16-token block's products from packed K and V (AMX tiles, or
   AVX512-BF16 dot products without AMX: 3-4x SDPA); without AMX a bf16 512-1024-token prompt's step -25 to -28%.
 float32 models take the attention kernels (fp32 in and out: PyTorch's SDPA spent ~2.5x the decode kernel's time on
-decode rows and 1.4-2.1x the prompt kernel's on prompts, docs/performance.md) and keep MKL and oneDNN for linears (the
-reference path, token-identical to transformers); other dtypes, shapes the kernels do not take, and machines
-where the build fails (logged once) use SDPA and oneDNN.
+decode rows and 1.4-2.1x the prompt kernel's on prompts, docs/performance.md) and, for one-row steps, the fp32
+one-row matmul (small_matmul.c: ~1.5x MKL's sgemv, which a one-row step spent ~90% of its time in); oneDNN for
+linears of more rows. Greedy tokens stay transformers' eager float32 (`bucketserve verify`). Other dtypes, shapes
+the kernels do not take, and machines where the build fails (logged once) use SDPA, MKL and oneDNN.
 The library's build and loading: models/native_library.py.
 """
 
