@@ -21,7 +21,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from models import native
-from models.native import AMX_MAX_ROWS, SMALL_MATMUL_MAX_ROWS, packed_gated
+from models.native import AMX_MAX_ROWS, SMALL_MATMUL_STEP_ROWS, packed_gated
 from models.prepack import PrepackedLinear, linear_cpu, packed_for
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
@@ -32,7 +32,7 @@ def _onednn_rows(rows: int, amx: bool) -> bool:
     """Whether prepack's linear_cpu runs `rows` rows in oneDNN (where the fused epilogues exist): more than its AMX
     and int8 kernels take, or more than the small matmul takes where there are neither (if a kernel of ours
     declines at run time, the unfused path below still gives the same result, just unfused)."""
-    return rows > AMX_MAX_ROWS or (not amx and rows > SMALL_MATMUL_MAX_ROWS)
+    return rows > AMX_MAX_ROWS or (not amx and rows > SMALL_MATMUL_STEP_ROWS)
 
 
 def _gated_cpu(x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, up: torch.Tensor,

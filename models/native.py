@@ -40,6 +40,10 @@ from models.native_library import lib as _lib
 from models.native_library import threads as _threads
 
 SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
+# Rows a step's linears take the small matmul for where there is no AMX: one and two (16 / 8 weight rows in flight);
+# three and four go to oneDNN (measured on an AMD EPYC, the 211 weights of a SmolLM2 step at 4 rows: 28.9 ms in the
+# small matmul, 18.9 in oneDNN; 1 row 18.7 vs 21.8, 2 rows 21.4-21.9 vs 24.3).
+SMALL_MATMUL_STEP_ROWS = 2
 # Rows the AMX kernel takes (amx_matmul.c): 1.1x oneDNN at 128 rows, 0.96x at 256. One row stays with the small
 # matmul (as fast there, 18.4-18.6 vs 18.4-18.9 ms for SmolLM2's 210 linears, and it needs no AMX).
 AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 128

@@ -12,9 +12,10 @@ a shape the op does not know) takes the plain `F.linear`: same result, just slow
 
 Steps of one row take bucketserve's own matmul on the plain weight instead, and steps of 2-128 rows its AMX
 matmul on a third copy in the tiles' layout, made here when the CPU has AMX (models/native.py: 1.1-1.4x oneDNN
-there: decode steps are memory-bound and oneDNN streams their weights at ~7 GB/s of one core's ~12); 1-4 rows
-take the small matmul where there is no AMX. Larger steps (prompts) stay with oneDNN. Which kernel and copy each
-step size reads is chosen once per weight (`Packed.kernel`), and the op calls it through one lean C entry
+there: decode steps are memory-bound and oneDNN streams their weights at ~7 GB/s of one core's ~12); 1-2 rows
+take the small matmul where there is no AMX (3+ rows oneDNN: faster there, measured on an AMD EPYC). Larger
+steps (prompts) stay with oneDNN. Which kernel and copy each step size reads is chosen once per weight
+(`Packed.kernel`), and the op calls it through one lean C entry
 (models/csrc/linear.c): the per-call Python of choosing and checking cost ~2 us of a ~10 us one-row linear.
 
 With `--quantize int8` the AMX copy is replaced by a weight-only int8 one (per output column, symmetric), which
@@ -57,7 +58,7 @@ from models.native import (
     AMX_MAX_ROWS,
     ONE_ROW_F32,
     SMALL,
-    SMALL_MATMUL_MAX_ROWS,
+    SMALL_MATMUL_STEP_ROWS,
     Kernel,
     amx_available,
     amx_pack,
@@ -84,7 +85,7 @@ class Packed(NamedTuple):
 
 def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str) -> Packed:
     """The copies of `weight` (oneDNN's, and the AMX or int8 tiles) and which kernel each step size reads: int8
-    (1-128 rows) where quantized, else the small matmul for one row (and 2-4 without AMX) and AMX for 2-128;
+    (1-128 rows) where quantized, else the small matmul for one row (and 2 without AMX) and AMX for 2-128;
     float32: the fp32 one-row matmul for one row."""
     if weight.dtype == torch.float32:  # one row: the fp32 one-row matmul (or MKL's); more: oneDNN
         one: Kernel | None = (ONE_ROW_F32, weight.data_ptr(), 0) if one_row_f32_takes(weight) else None
@@ -98,7 +99,7 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str) -> Packed
     if amx is not None:
         return Packed(weight.shape, onednn, amx, None, small or (AMX, amx.data_ptr(), 0), (AMX, amx.data_ptr(), 0),
                       AMX_MAX_ROWS)
-    return Packed(weight.shape, onednn, None, None, small, small, SMALL_MATMUL_MAX_ROWS)
+    return Packed(weight.shape, onednn, None, None, small, small, SMALL_MATMUL_STEP_ROWS)
 
 
 # weight's address -> its packed copies

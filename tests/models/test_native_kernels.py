@@ -219,11 +219,11 @@ def test_small_matmul_declines_what_it_does_not_take() -> None:
 
 
 def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One row: the small matmul; 2-128 rows: the AMX matmul where the CPU has AMX (else 1-4 rows the small
+    """One row: the small matmul; 2-128 rows: the AMX matmul where the CPU has AMX (else 1-2 rows the small
     matmul); more rows (prompts): oneDNN. Each gives the plain linear's result to bf16 rounding."""
     torch.manual_seed(3)
     layer = torch.nn.Linear(64, 96, bias=False).bfloat16().requires_grad_(False)
-    inputs = {rows: torch.randn(rows, 1, 64).bfloat16() for rows in (1, 4, 5, 128, 129)}
+    inputs = {rows: torch.randn(rows, 1, 64).bfloat16() for rows in (1, 2, 4, 5, 128, 129)}
     plain = {rows: torch.nn.functional.linear(x, layer.weight) for rows, x in inputs.items()}
     prepack(layer)
     taken: list[tuple[str, int]] = []
@@ -242,9 +242,9 @@ def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     if native.small_matmul(inputs[1][0], layer.weight) is None:
         pytest.skip("no AVX512-BF16 on this CPU")
     if native.amx_available():
-        assert taken == [("small", 1), ("amx", 4), ("amx", 5), ("amx", 128)]  # 129 rows: oneDNN
+        assert taken == [("small", 1), ("amx", 2), ("amx", 4), ("amx", 5), ("amx", 128)]  # 129 rows: oneDNN
     else:
-        assert taken == [("small", 1), ("small", 4)]
+        assert taken == [("small", 1), ("small", 2)]  # 4+ rows: oneDNN
 
 
 def _amx_or_skip() -> None:
