@@ -38,16 +38,10 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+#include "amx_tiles.h"
+
 /* The tile configuration (palette 1): tmm0-3 the fp32 accumulators C[i][j] (row block i, column tile j) [rows_i,
  * 16], tmm4/5 the row blocks' k block A[i] [rows_i, 32 bf16], tmm6/7 the two weight tiles [16 pairs, 16 x 2]. */
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 static void configure(int rows0, int rows1) {
     tile_config c;
     memset(&c, 0, sizeof c);
