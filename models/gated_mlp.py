@@ -5,9 +5,10 @@ matmuls are opaque ops, and inductor runs silu and the product as a separate ker
 (7.9 ms of a 101 ms 256-token prefill of SmolLM2-135M, bf16, one thread: exp and a divide per element). Here the
 MLP calls `bucketserve::gated_silu(x, gate, up)` instead; where its matmuls run in oneDNN (prompt-sized steps),
 the gate's matmul applies swish in its epilogue and the up matmul multiplies by that in its own (oneDNN post-ops),
-so nothing is read or written twice (measured: 948 -> 757 us a layer at 256 rows). Smaller steps (decode, AMX or
-the small matmul) run both matmuls, silu and the product in one C call (models/csrc/linear.c): their elementwise
-work is a few microseconds a layer, but as four PyTorch-level calls its Python cost was ~20 us a layer.
+so nothing is read or written twice (measured: 948 -> 757 us a layer at 256 rows). Smaller steps (decode: AMX, the
+vector matmul on the tile copy or the small matmul) run both matmuls, silu and the product in one C call
+(models/csrc/linear.c): their elementwise work is a few microseconds a layer, but as four PyTorch-level calls its
+Python cost was ~20 us a layer.
 
 Numerics: the fused epilogues apply swish to the fp32 sums before rounding to bf16, where eager rounds first (bf16
 outputs differ by a rounding step); only bf16 / fp16 models are fused (models/module_swaps.py): float32 stays the reference.
@@ -21,18 +22,11 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from models import native
-from models.native import AMX_MAX_ROWS, SMALL_MATMUL_STEP_ROWS, packed_gated
+from models.native import packed_gated
 from models.prepack import PrepackedLinear, linear_cpu, packed_for
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
 _LIB.define("gated_silu(Tensor x, Tensor gate, Tensor? gate_bias, Tensor up, Tensor? up_bias) -> Tensor")
-
-
-def _onednn_rows(rows: int, amx: bool) -> bool:
-    """Whether prepack's linear_cpu runs `rows` rows in oneDNN (where the fused epilogues exist): more than its AMX
-    and int8 kernels take, or more than the small matmul takes where there are neither (if a kernel of ours
-    declines at run time, the unfused path below still gives the same result, just unfused)."""
-    return rows > AMX_MAX_ROWS or (not amx and rows > SMALL_MATMUL_STEP_ROWS)
 
 
 def _gated_cpu(x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, up: torch.Tensor,
@@ -41,7 +35,9 @@ def _gated_cpu(x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | No
     g, u = packed_for(gate, x), packed_for(up, x)
     rows = x.reshape(-1, x.shape[-1])
     if g is not None and u is not None:
-        if _onednn_rows(rows.shape[0], g.amx is not None or g.int8 is not None):
+        # oneDNN (where the fused epilogues exist) for the step sizes prepack gives it; if a kernel of ours declines
+        # at run time, the unfused path below still gives the same result, just unfused
+        if g.kernel(rows.shape[0]) is None or u.kernel(rows.shape[0]) is None:
             rows = rows.contiguous()
             act = torch.ops.mkldnn._linear_pointwise(rows, g.onednn, gate_bias, "swish", [], "")
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(rows, act, u.onednn, up_bias, "mul")

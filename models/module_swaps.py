@@ -52,6 +52,8 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
             third = " and weight-only int8 for steps of 1-128 rows (a third copy, half the bytes of bf16)"
         elif dtype == torch.bfloat16 and native.amx_available():
             third = " and the AMX matmul (a third)"
+        elif dtype == torch.bfloat16 and native.tiled_available():
+            third = " and the vector matmul on a tile copy (a third)"
         log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", prepacked, third)
     # Prompt-sized steps fuse silu and the product into oneDNN. Not in float32: its fused epilogues would apply
     # swish where the reference rounds first.

@@ -12,8 +12,11 @@ Why kernels of our own (measured in docs/performance.md, one thread):
   matmul reads ~8.5 GB/s here; the kernel streams each weight row once with AVX512-BF16 dot products at 10.5-11.4
   GB/s (1.4x at one row, 1.16x at four; oneDNN from eight rows on).
 - AMX matmuls. Where the CPU has AMX, 2-128 rows run tile products over a third copy of each weight in the
-  tiles' layout (`amx_pack`): the arithmetic of 1-16 rows is one tile product, so the loop streams the weight
+  tiles' layout (`tile_pack`): the arithmetic of 1-16 rows is one tile product, so the loop streams the weight
   (1.3-1.4x oneDNN at 2-32 rows, 1.1-1.2x at 48-128; oneDNN from 256 rows on).
+- Without AMX (AVX512-BF16), 1-128 rows run vector products over the same tile copy (tiled_matmul.c: each tile
+  row is 16 columns' weight pairs, one dot product against a broadcast input pair; the stream prefetched into
+  L2): on an AMD EPYC 1.3x the small matmul at one row and 1.4-2x oneDNN at 1-16 rows.
 - RMSNorm of prompt-sized steps (models/rms_norm.py): inductor's fused residual add and norm ~60-75 us a call at
   256 rows of 576 and ~380 at 1024, the kernel ~31 / ~130 (4-6% of a 128-1024-token prompt's step).
 - Prompt attention (models/csrc/piece_attention.c): PyTorch's CPU flash SDPA spends most of a prompt's attention
@@ -40,13 +43,17 @@ from models.native_library import lib as _lib
 from models.native_library import threads as _threads
 
 SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
-# Rows a step's linears take the small matmul for where there is no AMX: one and two (16 / 8 weight rows in flight);
-# three and four go to oneDNN (measured on an AMD EPYC, the 211 weights of a SmolLM2 step at 4 rows: 28.9 ms in the
-# small matmul, 18.9 in oneDNN; 1 row 18.7 vs 21.8, 2 rows 21.4-21.9 vs 24.3).
+# Rows a step's linears take the small matmul for where there is neither AMX nor a tile copy (a weight whose N is
+# not a multiple of 32): one and two (16 / 8 weight rows in flight); three and four go to oneDNN (measured on an AMD
+# EPYC, the 211 weights of a SmolLM2 step at 4 rows: 28.9 ms in the small matmul, 18.9 in oneDNN; 1 row 18.7 vs
+# 21.8, 2 rows 21.4-21.9 vs 24.3).
 SMALL_MATMUL_STEP_ROWS = 2
 # Rows the AMX kernel takes (amx_matmul.c): 1.1x oneDNN at 128 rows, 0.96x at 256. One row stays with the small
 # matmul (as fast there, 18.4-18.6 vs 18.4-18.9 ms for SmolLM2's 210 linears, and it needs no AMX).
 AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 128
+# Rows the vector kernel on the tile copy takes where there is no AMX (tiled_matmul.c; AMD EPYC, the 211 weights of
+# a SmolLM2 step: 64 rows 79 ms against oneDNN's 89, 272 rows 337 against 343: even from there on).
+TILED_MAX_ROWS = 128
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # decode_attention.c's MAX_G and 16 * MAX_C
 
 
@@ -164,33 +171,51 @@ def amx_available() -> bool:
     return available() and has("amx")
 
 
-def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] bf16 -> its copy in the AMX kernel's layout [N/32, K/32, 2, 16, 16, 2] (amx_matmul.c: tile j
-    of column group g and k block b holds w[32g + 16j + n, 32b + 2r + i] at [g, b, j, r, n, i]), or None when the
-    kernel cannot take it (no AMX, or N, K not multiples of 32)."""
-    return _tiled(weight.detach()) if _amx_takes(weight) else None
+def tiled_available() -> bool:
+    """The vector matmul on the tile copy (tiled_matmul.c) runs here: the kernels' build has AVX512-BF16 and the
+    CPU no AMX (where it has, the tiles' own products read the copy)."""
+    return available() and has("matmul") and not has("amx")
 
 
-def _amx_takes(weight: torch.Tensor) -> bool:
-    """The AMX kernel can read a copy of this weight: [N, K] bf16, N and K multiples of 32, AMX available."""
+def tile_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] bf16 -> its copy in the tiles' layout [N/32, K/32, 2, 16, 16, 2] (amx_matmul.c: tile j of
+    column group g and k block b holds w[32g + 16j + n, 32b + 2r + i] at [g, b, j, r, n, i]), read by the AMX
+    matmul or, without AMX, the vector one; None when neither runs here or N, K are not multiples of 32."""
+    return _tiled(weight.detach()) if _tiles_take(weight, amx_available() or tiled_available()) else None
+
+
+def _tiles_take(weight: torch.Tensor, kernel: bool) -> bool:
+    """A tile kernel (`kernel`: it runs here) can read a copy of this weight: [N, K] bf16, N and K multiples of
+    32."""
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    return weight.dtype == torch.bfloat16 and n > 0 and k > 0 and not n % 32 and not k % 32 and amx_available()
+    return weight.dtype == torch.bfloat16 and n > 0 and k > 0 and not n % 32 and not k % 32 and kernel
 
 
 def _tiled(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] (any element type) -> the tiles' layout [N/32, K/32, 2, 16, 16, 2] (see amx_pack)."""
+    """[N, K] (any element type) -> the tiles' layout [N/32, K/32, 2, 16, 16, 2] (see tile_pack)."""
     n, k = w.shape
     return w.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
 def amx_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """rows [M, K] @ w.T (+ bias [N]) -> [M, N] in bf16 for AMX_MIN_ROWS <= M <= AMX_MAX_ROWS, from w's copy made
-    by amx_pack; None when the kernel does not take these inputs (the caller uses oneDNN)."""
+    by tile_pack; None when the kernel does not take these inputs (the caller uses oneDNN)."""
     m, k = rows.shape
     if (not AMX_MIN_ROWS <= m <= AMX_MAX_ROWS or rows.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16
             or packed.dim() != 6 or packed.shape[1] * 32 != k or not packed.is_contiguous() or not amx_available()):
         return None
     return _checked(rows, (AMX, packed.data_ptr(), 0), packed.shape[0] * 32, bias)
+
+
+def tiled_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """rows [M, K] @ w.T (+ bias [N]) -> [M, N] in bf16 for 1 <= M <= TILED_MAX_ROWS with the vector kernel, from
+    w's copy made by tile_pack; None when it does not take these inputs (the caller uses oneDNN)."""
+    m, k = rows.shape
+    if (not 1 <= m <= TILED_MAX_ROWS or rows.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16
+            or packed.dim() != 6 or packed.shape[1] * 32 != k or not packed.is_contiguous() or not available()
+            or not has("matmul")):
+        return None
+    return _checked(rows, (TILED, packed.data_ptr(), 0), packed.shape[0] * 32, bias)
 
 
 def small_matmul_takes(weight: torch.Tensor) -> bool:
@@ -207,10 +232,10 @@ def one_row_f32_takes(weight: torch.Tensor) -> bool:
 
 
 # (kind, weight copy's address, scales' address or 0): what linear.c's entries read. kind 0: the small matmul on
-# the plain weight; 1: the AMX matmul on the tile copy (amx_pack); 2: the int8 tile copy and its scales (int8_pack);
-# 3: the float32 one-row matmul on the plain fp32 weight
+# the plain weight; 1: the AMX matmul on the tile copy (tile_pack); 2: the int8 tile copy and its scales (int8_pack);
+# 3: the float32 one-row matmul on the plain fp32 weight; 4: the vector matmul on the tile copy (no AMX)
 Kernel = tuple[int, int, int]
-SMALL, AMX, AMX_INT8, ONE_ROW_F32 = 0, 1, 2, 3
+SMALL, AMX, AMX_INT8, ONE_ROW_F32, TILED = 0, 1, 2, 3, 4
 
 
 def packed_linear(x: torch.Tensor, kernel: Kernel, n: int) -> torch.Tensor | None:
@@ -264,9 +289,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 def int8_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """weight [N, K] bf16 -> (q, scale): its weight-only int8 quantization, per output column (symmetric:
-    scale [N] fp32 = max |w[n]| / 127, q = round(w / scale) in [-127, 127]), q in amx_pack's layout (one byte an
-    element); None where amx_pack declines. w ~ q * scale to half a step (scale / 2) per element."""
-    if not _amx_takes(weight):
+    scale [N] fp32 = max |w[n]| / 127, q = round(w / scale) in [-127, 127]), q in tile_pack's layout (one byte an
+    element); None where the AMX kernel cannot read it. w ~ q * scale to half a step (scale / 2) per element."""
+    if not _tiles_take(weight, amx_available()):
         return None
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)

@@ -10,11 +10,12 @@ the packed copy out of the graph: the graph calls the custom op `bucketserve::li
 CPU kernel looks the packed copy up by the weight's address. A weight with no packed copy (never prepacked, or
 a shape the op does not know) takes the plain `F.linear`: same result, just slower.
 
-Steps of one row take bucketserve's own matmul on the plain weight instead, and steps of 2-128 rows its AMX
-matmul on a third copy in the tiles' layout, made here when the CPU has AMX (models/native.py: 1.1-1.4x oneDNN
-there: decode steps are memory-bound and oneDNN streams their weights at ~7 GB/s of one core's ~12); 1-2 rows
-take the small matmul where there is no AMX (3+ rows oneDNN: faster there, measured on an AMD EPYC). Larger
-steps (prompts) stay with oneDNN. Which kernel and copy each step size reads is chosen once per weight
+Steps of 2-128 rows take bucketserve's AMX matmul on a third copy in the tiles' layout where the CPU has AMX
+(models/native.py: 1.1-1.4x oneDNN there: decode steps are memory-bound and oneDNN streams their weights at ~7
+GB/s of one core's ~12), and one-row steps its small matmul on the plain weight. Without AMX, steps of 1-128 rows
+take the vector matmul (AVX512-BF16) on the same tile copy (measured on an AMD EPYC: 1.3x the small matmul at one
+row, 1.4-2x oneDNN at 1-16 rows, 1.1x at 64); where there is no tile copy (N not a multiple of 32), 1-2 rows the
+small matmul. Larger steps (prompts) stay with oneDNN. Which kernel and copy each step size reads is chosen once per weight
 (`Packed.kernel`), and the op calls it through one lean C entry
 (models/csrc/linear.c): the per-call Python of choosing and checking cost ~2 us of a ~10 us one-row linear.
 
@@ -35,7 +36,7 @@ oneDNN is as fast or faster up to prompt-sized steps. Its sums run in another or
 fp32 rounding (~1e-5 here), as MKL's own batched and one-row results already did, and greedy tokens stay those
 of transformers' eager float32 (`bucketserve verify --dtype float32`, the invariance tests). No fused MLP, no
 native RMSNorm in float32 (its native kernels: this one-row matmul and the attention kernels).
-Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16), the AMX copy a
+Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16), the tile copy a
 third (and the lm_head's: 57 MB more for SmolLM2's tied embeddings); the int8 copy, where it replaces the AMX
 one, half of that.
 """
@@ -59,20 +60,22 @@ from models.native import (
     ONE_ROW_F32,
     SMALL,
     SMALL_MATMUL_STEP_ROWS,
+    TILED,
+    TILED_MAX_ROWS,
     Kernel,
     amx_available,
-    amx_pack,
     int8_pack,
     one_row_f32_takes,
     packed_linear,
     small_matmul_takes,
+    tile_pack,
 )
 
 
 class Packed(NamedTuple):
     shape: torch.Size
     onednn: torch.Tensor  # oneDNN's blocked copy (prompt-sized steps)
-    amx: torch.Tensor | None  # the AMX kernel's bf16 copy (steps of 2-128 rows), or None
+    tiles: torch.Tensor | None  # the tile copy (AMX: steps of 2-128 rows; the vector kernel: 1-128), or None
     int8: tuple[torch.Tensor, torch.Tensor] | None  # --quantize int8: (q, scale) for steps of 1-128 rows, or None
     one: Kernel | None  # what a one-row step reads (native.packed_linear), or None: oneDNN
     few: Kernel | None  # what steps of 2..few_max rows read, or None: oneDNN
@@ -84,21 +87,25 @@ class Packed(NamedTuple):
 
 
 def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str) -> Packed:
-    """The copies of `weight` (oneDNN's, and the AMX or int8 tiles) and which kernel each step size reads: int8
-    (1-128 rows) where quantized, else the small matmul for one row (and 2 without AMX) and AMX for 2-128;
+    """The copies of `weight` (oneDNN's, and the tile or int8 tile copy) and which kernel each step size reads:
+    int8 (1-128 rows) where quantized; with AMX the small matmul for one row and the AMX tiles for 2-128; without,
+    the vector matmul on the tile copy for 1-128 (the small matmul for 1-2 where there is no tile copy);
     float32: the fp32 one-row matmul for one row."""
     if weight.dtype == torch.float32:  # one row: the fp32 one-row matmul (or MKL's); more: oneDNN
         one: Kernel | None = (ONE_ROW_F32, weight.data_ptr(), 0) if one_row_f32_takes(weight) else None
         return Packed(weight.shape, onednn, None, None, one, None, 1)
     q8 = int8_pack(weight) if quantize == "int8" else None
-    amx = amx_pack(weight) if q8 is None else None
+    tiles = tile_pack(weight) if q8 is None else None
     small: Kernel | None = (SMALL, weight.data_ptr(), 0) if small_matmul_takes(weight) else None
     if q8 is not None:
-        tiles: Kernel = (AMX_INT8, q8[0].data_ptr(), q8[1].data_ptr())
-        return Packed(weight.shape, onednn, None, q8, tiles, tiles, AMX_MAX_ROWS)
-    if amx is not None:
-        return Packed(weight.shape, onednn, amx, None, small or (AMX, amx.data_ptr(), 0), (AMX, amx.data_ptr(), 0),
-                      AMX_MAX_ROWS)
+        int8: Kernel = (AMX_INT8, q8[0].data_ptr(), q8[1].data_ptr())
+        return Packed(weight.shape, onednn, None, q8, int8, int8, AMX_MAX_ROWS)
+    if tiles is not None and amx_available():
+        amx: Kernel = (AMX, tiles.data_ptr(), 0)
+        return Packed(weight.shape, onednn, tiles, None, small or amx, amx, AMX_MAX_ROWS)
+    if tiles is not None:
+        vector: Kernel = (TILED, tiles.data_ptr(), 0)
+        return Packed(weight.shape, onednn, tiles, None, vector, vector, TILED_MAX_ROWS)
     return Packed(weight.shape, onednn, None, None, small, small, SMALL_MATMUL_STEP_ROWS)
 
 

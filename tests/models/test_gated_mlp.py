@@ -43,8 +43,8 @@ def test_decode_sized_steps_take_one_native_call_rounded_as_eager(monkeypatch: p
     and PyTorch's land on two sides of a bf16 rounding boundary (one step apart)."""
     if not native.available() or (quantize == "int8" and not native.amx_available()):
         pytest.skip("needs the native kernels (int8: AMX)")
-    if rows > SMALL_MATMUL_STEP_ROWS and not native.amx_available():
-        pytest.skip("steps of 3+ rows take the native call only with AMX (oneDNN's fused matmuls here)")
+    if rows > SMALL_MATMUL_STEP_ROWS and not (native.amx_available() or native.tiled_available()):
+        pytest.skip("steps of 3+ rows take the native call only with a tile kernel (oneDNN's fused matmuls here)")
     torch.manual_seed(rows)
     layers = nn.ModuleDict({"gate": nn.Linear(576, 1536, bias=False), "up": nn.Linear(576, 1536, bias=False)})
     layers = layers.bfloat16().requires_grad_(False)

@@ -219,15 +219,28 @@ def test_small_matmul_declines_what_it_does_not_take() -> None:
 
 
 def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One row: the small matmul; 2-128 rows: the AMX matmul where the CPU has AMX (else 1-2 rows the small
-    matmul); more rows (prompts): oneDNN. Each gives the plain linear's result to bf16 rounding."""
+    """With AMX, one row: the small matmul, 2-128 rows: the AMX matmul; without, 1-128 rows the vector matmul on
+    the tile copy; more rows (prompts): oneDNN. Each gives the plain linear's result to bf16 rounding."""
     torch.manual_seed(3)
     layer = torch.nn.Linear(64, 96, bias=False).bfloat16().requires_grad_(False)
     inputs = {rows: torch.randn(rows, 1, 64).bfloat16() for rows in (1, 2, 4, 5, 128, 129)}
     plain = {rows: torch.nn.functional.linear(x, layer.weight) for rows, x in inputs.items()}
     prepack(layer)
     taken: list[tuple[str, int]] = []
-    names = {native.SMALL: "small", native.AMX: "amx", native.AMX_INT8: "int8"}
+    monkeypatch.setattr("models.prepack.packed_linear", _counting(taken))
+    for rows, x in inputs.items():
+        torch.testing.assert_close(layer(x), plain[rows], rtol=1e-2, atol=1e-2)
+    if native.small_matmul(inputs[1][0], layer.weight) is None:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    if native.amx_available():
+        assert taken == [("small", 1), ("amx", 2), ("amx", 4), ("amx", 5), ("amx", 128)]  # 129 rows: oneDNN
+    else:
+        assert taken == [("tiled", 1), ("tiled", 2), ("tiled", 4), ("tiled", 5), ("tiled", 128)]  # 129: oneDNN
+
+
+def _counting(taken: list[tuple[str, int]]) -> Callable[[torch.Tensor, native.Kernel, int], torch.Tensor | None]:
+    """packed_linear, recording (kernel name, rows) of each call a kernel of ours took."""
+    names = {native.SMALL: "small", native.AMX: "amx", native.AMX_INT8: "int8", native.TILED: "tiled"}
     real = native.packed_linear
 
     def counted(x: torch.Tensor, kernel: native.Kernel, n: int) -> torch.Tensor | None:
@@ -236,15 +249,25 @@ def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
             taken.append((names[kernel[0]], x.numel() // x.shape[-1]))
         return out
 
-    monkeypatch.setattr("models.prepack.packed_linear", counted)
+    return counted
+
+
+def test_a_weight_without_a_tile_copy_takes_the_small_matmul_for_one_and_two_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AMX, a weight the tiles cannot hold (N = 48: not a multiple of 32) still takes the small matmul for
+    1-2 rows and oneDNN from 3 rows on."""
+    if native.amx_available() or not native.tiled_available():
+        pytest.skip("needs AVX512-BF16 without AMX")
+    torch.manual_seed(4)
+    layer = torch.nn.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
+    inputs = {rows: torch.randn(rows, 64).bfloat16() for rows in (1, 2, 3)}
+    plain = {rows: torch.nn.functional.linear(x, layer.weight) for rows, x in inputs.items()}
+    prepack(layer)
+    taken: list[tuple[str, int]] = []
+    monkeypatch.setattr("models.prepack.packed_linear", _counting(taken))
     for rows, x in inputs.items():
         torch.testing.assert_close(layer(x), plain[rows], rtol=1e-2, atol=1e-2)
-    if native.small_matmul(inputs[1][0], layer.weight) is None:
-        pytest.skip("no AVX512-BF16 on this CPU")
-    if native.amx_available():
-        assert taken == [("small", 1), ("amx", 2), ("amx", 4), ("amx", 5), ("amx", 128)]  # 129 rows: oneDNN
-    else:
-        assert taken == [("small", 1), ("small", 2)]  # 4+ rows: oneDNN
+    assert taken == [("small", 1), ("small", 2)]
 
 
 def _amx_or_skip() -> None:
@@ -252,10 +275,15 @@ def _amx_or_skip() -> None:
         pytest.skip("no AMX on this CPU (or Linux does not grant the tile state)")
 
 
-def test_amx_pack_puts_each_weight_pair_where_the_tiles_read_it() -> None:
-    _amx_or_skip()
+def _tiles_or_skip() -> None:
+    if not (native.amx_available() or native.tiled_available()):
+        pytest.skip("no AMX and no AVX512-BF16 on this CPU: no kernel reads a tile copy")
+
+
+def test_tile_pack_puts_each_weight_pair_where_the_tiles_read_it() -> None:
+    _tiles_or_skip()
     w = torch.randn(64, 96).bfloat16()
-    packed = native.amx_pack(w)
+    packed = native.tile_pack(w)
     assert packed is not None and packed.shape == (2, 3, 2, 16, 16, 2)
     for g, b, j, r, n, i in [(0, 0, 0, 0, 0, 0), (1, 2, 1, 15, 15, 1), (0, 1, 1, 3, 7, 0), (1, 0, 0, 9, 2, 1)]:
         assert packed[g, b, j, r, n, i] == w[32 * g + 16 * j + n, 32 * b + 2 * r + i]
@@ -268,7 +296,7 @@ def test_amx_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_fea
     torch.manual_seed(rows * out_features)
     x = torch.randn(rows, in_features).bfloat16()
     w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
-    packed = native.amx_pack(w)
+    packed = native.tile_pack(w)
     assert packed is not None
     got = native.amx_matmul(x, packed)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
@@ -279,18 +307,49 @@ def test_amx_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_fea
     torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 16, 25, 33, 128])
+def test_tiled_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_features: int, threads: int) -> None:
+    """The vector matmul on the tile copy (CPUs without AMX; it runs on AMX CPUs too when called): every row count
+    in passes of up to 12 rows (13: 7 + 6; 25: 8 + 8 + 9), each thread's share of the column groups."""
+    if not (native.available() and native.has("matmul")):
+        pytest.skip("no AVX512-BF16 on this CPU")
+    torch.manual_seed(rows * out_features + 1)
+    x = torch.randn(rows, in_features).bfloat16()
+    w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
+    packed = native._tiled(w)
+    got = native.tiled_matmul(x, packed)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
+    bias = torch.randn(out_features).bfloat16()
+    with_bias = native.tiled_matmul(x, packed, bias)
+    assert with_bias is not None
+    torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
+
+
+def test_tiled_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not (native.available() and native.has("matmul")):
+        pytest.skip("no AVX512-BF16 on this CPU")
+    packed = native._tiled(torch.randn(96, 64).bfloat16())
+    assert native.tiled_matmul(torch.randn(129, 64).bfloat16(), packed) is None  # a prompt: oneDNN's
+    assert native.tiled_matmul(torch.randn(4, 64), packed) is None  # float32: the reference path
+    assert native.tiled_matmul(torch.randn(4, 32).bfloat16(), packed) is None  # K does not match
+    monkeypatch.setitem(native_library._switch, "on", False)
+    assert native.tiled_matmul(torch.randn(4, 64).bfloat16(), packed) is None  # --no-native-kernels
+
+
 def test_amx_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
     _amx_or_skip()
     w = torch.randn(96, 64).bfloat16()
-    packed = native.amx_pack(w)
+    packed = native.tile_pack(w)
     assert packed is not None
     assert native.amx_matmul(torch.randn(1, 64).bfloat16(), packed) is None  # one row: the small matmul's
     assert native.amx_matmul(torch.randn(129, 64).bfloat16(), packed) is None  # a prompt: oneDNN's
     assert native.amx_matmul(torch.randn(4, 64), packed) is None  # float32: the reference path
     assert native.amx_matmul(torch.randn(4, 32).bfloat16(), packed) is None  # K does not match
-    assert native.amx_pack(torch.randn(48, 64).bfloat16()) is None  # N % 32
-    assert native.amx_pack(torch.randn(96, 40).bfloat16()) is None  # K % 32
-    assert native.amx_pack(w.float()) is None
+    assert native.tile_pack(torch.randn(48, 64).bfloat16()) is None  # N % 32
+    assert native.tile_pack(torch.randn(96, 40).bfloat16()) is None  # K % 32
+    assert native.tile_pack(w.float()) is None
     monkeypatch.setitem(native_library._switch, "on", False)
     assert native.amx_matmul(torch.randn(4, 64).bfloat16(), packed) is None  # --no-native-kernels
 

@@ -85,15 +85,13 @@ def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: 
         outputs.append(generate_one(runner, ids, params, 16).token_ids)
         assert runner.accountant.count("serving") == 0
         if flag:
-            # Poison the packed copy of the output head: the traced step must now produce zero logits.
+            # Poison the packed copies of the output head: the traced step must now produce zero logits.
             from models import prepack as module
 
             head = model.get_output_embeddings().weight
-            entry = module._PACKED[head.data_ptr()]
-            zeros = torch.zeros_like(head)
-            module._PACKED[head.data_ptr()] = entry._replace(
-                onednn=torch.ops.mkldnn._reorder_linear_weight(zeros),
-                amx=None if entry.amx is None else torch.zeros_like(entry.amx))
+            zeros = torch.zeros_like(head)  # alive until the step below: the native kernels read its copies
+            module._PACKED[head.data_ptr()] = module._packed(zeros, torch.ops.mkldnn._reorder_linear_weight(zeros),
+                                                             "none")
             logits = runner.decode(1, torch.tensor([7]), torch.tensor([11]))
             assert torch.count_nonzero(logits[0]) == 0
         runner.stop_serving()

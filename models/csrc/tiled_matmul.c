@@ -1,0 +1,110 @@
+/* y = x @ w.T in bfloat16 with AVX512-BF16 vector products, on the copy of the weight in the AMX tiles' layout
+ * (models/native.py packs it; models/prepack.py routes bf16 steps of 1-128 rows here on CPUs without AMX).
+ *
+ * Why: on an AMD EPYC with AVX512-BF16 and no AMX (one thread), oneDNN's prepacked bf16 matmul ran the 211
+ * weights of a SmolLM2 step (269 MB) in 18-34 ms at 1-16 rows, and the small matmul (small_matmul.c, dot
+ * products along K on the plain weight) 16.4 ms at one row and 19.5 at two. Neither reached the arithmetic peak
+ * (~230 GFLOP/s: one 512-bit bf16 dot product a cycle) nor what memory gives when asked far enough ahead. Here each
+ * 64-byte row of a weight tile already holds, for 16 output columns, the pair of weights of two consecutive k:
+ * exactly what one `vdpbf16ps` multiplies by a broadcast pair of an input row. So a block of up to MAX_BLOCK input
+ * rows keeps 2 x rows accumulators (two column tiles) in registers, every weight vector loaded once feeds every
+ * row of the block, and the weight stream is prefetched into L2 (`prefetcht1`) AHEAD k blocks ahead: prefetching
+ * into L1 instead measured 9-12 GB/s, into L2 22 GB/s. Measured (the 211 weights, medians of 7, one thread):
+ * 1 row 12.2 ms (small matmul 16.4, oneDNN 21.1), 4 rows 12.7 (oneDNN 18.2), 8 rows 12.1 (23.6), 16 rows 21.6
+ * (31.0), 64 rows 79 (89), 272 rows 337 (343).
+ *
+ * Packed weight (elements, bf16 as uint16): [N/32, K/32, 2, 16, 16, 2] (amx_matmul.c's layout): for column group
+ * g (32 outputs) and k block b, tile j row r holds w[32g + 16j + n, 32b + 2r + i] at n * 2 + i. A group is one
+ * contiguous run of K * 32 elements.
+ *
+ * Shapes: x [M, K] contiguous, y [M, N] contiguous, K % 32 == 0, N % 32 == 0, M >= 1. Sums in fp32 (exact products
+ * of bf16 pairs, summed pair by pair along K), rounded to bf16 once (nearest even).
+ */
+#include <stdint.h>
+
+#define MAX_BLOCK 12 /* input rows a pass keeps in registers: 24 accumulators + 2 weight vectors + a broadcast */
+#define AHEAD 4      /* k blocks (2 KiB each) between the weights a pass reads and those it prefetches */
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* Output columns [32g, 32g + 32) of input rows [m0, m0 + rows): the group's tiles wg, read from memory by the
+ * first pass over the group (prefetch set: it asks AHEAD blocks ahead) and from L2 by the passes after it.
+ * Inlined with constant `rows`: the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void pass(const uint16_t *x, const uint16_t *wg, uint16_t *y,
+                                                      const int rows, const int64_t N, const int64_t K,
+                                                      const int64_t m0, const int64_t g, const int prefetch) {
+    __m512 acc[MAX_BLOCK][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    const uint16_t *xr = x + m0 * K;
+    for (int64_t b = 0; b < K / 32; b++) {
+        const uint16_t *t = wg + b * 1024; /* tile 0 at t, tile 1 at t + 512; row r at + 32 r */
+        for (int r = 0; r < 16; r++) {
+            if (prefetch) { /* past the weight's end near its last group: a prefetch never faults */
+                _mm_prefetch((const char *)(t + AHEAD * 1024 + r * 32), _MM_HINT_T1);
+                _mm_prefetch((const char *)(t + AHEAD * 1024 + 512 + r * 32), _MM_HINT_T1);
+            }
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t + r * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(t + 512 + r * 32);
+            for (int m = 0; m < rows; m++) {
+                int32_t pair; /* x[m, 32b + 2r .. + 1] */
+                __builtin_memcpy(&pair, xr + m * K + b * 32 + 2 * r, sizeof pair);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        uint16_t *out = y + (m0 + m) * N + g * 32;
+        _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(acc[m][0]));
+        _mm256_storeu_si256((__m256i *)(out + 16), (__m256i)_mm512_cvtneps_pbh(acc[m][1]));
+    }
+}
+
+/* Column groups [g0, g1): for each group, the M rows in passes of at most MAX_BLOCK rows, as equal as possible
+ * (13 rows: 7 + 6, not 12 + 1: a pass of few rows is bound by its dot products' latency). */
+static void groups(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t g0,
+                   int64_t g1) {
+    const int64_t passes = (M + MAX_BLOCK - 1) / MAX_BLOCK;
+    for (int64_t g = g0; g < g1; g++) {
+        const uint16_t *wg = w + g * K * 32;
+        int64_t m0 = 0;
+        for (int64_t p = 0; p < passes; p++) {
+            const int64_t rows = (M - m0) / (passes - p);
+            const int first = p == 0;
+            switch (rows) { /* a constant row count per case */
+            case 1: pass(x, wg, y, 1, N, K, m0, g, first); break;
+            case 2: pass(x, wg, y, 2, N, K, m0, g, first); break;
+            case 3: pass(x, wg, y, 3, N, K, m0, g, first); break;
+            case 4: pass(x, wg, y, 4, N, K, m0, g, first); break;
+            case 5: pass(x, wg, y, 5, N, K, m0, g, first); break;
+            case 6: pass(x, wg, y, 6, N, K, m0, g, first); break;
+            case 7: pass(x, wg, y, 7, N, K, m0, g, first); break;
+            case 8: pass(x, wg, y, 8, N, K, m0, g, first); break;
+            case 9: pass(x, wg, y, 9, N, K, m0, g, first); break;
+            case 10: pass(x, wg, y, 10, N, K, m0, g, first); break;
+            case 11: pass(x, wg, y, 11, N, K, m0, g, first); break;
+            default: pass(x, wg, y, MAX_BLOCK, N, K, m0, g, first); break;
+            }
+            m0 += rows;
+        }
+    }
+}
+
+/* Returns 0, or -1 when the shapes do not fit (the caller then uses oneDNN). */
+int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
+                                  int64_t K, int threads) {
+    if (M < 1 || K < 32 || K % 32 || N < 32 || N % 32) return -1;
+    const int64_t count = N / 32;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int t = 0; t < threads; t++) groups(x, w, y, M, N, K, count * t / threads, count * (t + 1) / threads);
+    return 0;
+}
+#else
+int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
+                                  int64_t K, int threads) {
+    (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)threads;
+    return -1;
+}
+#endif
