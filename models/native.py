@@ -23,10 +23,11 @@ Why kernels of our own (measured in docs/performance.md, one thread):
   outside its two matmuls; the kernel computes each 16-token block's products from packed K and V (AMX tiles, or
   AVX512-BF16 dot products without AMX: 3-4x SDPA); without AMX a bf16 512-1024-token prompt's step -25 to -28%.
 float32 models take the attention kernels (fp32 in and out: PyTorch's SDPA spent ~2.5x the decode kernel's time on
-decode rows and 1.4-2.1x the prompt kernel's on prompts, docs/performance.md) and, for one-row steps, the fp32
-one-row matmul (small_matmul.c: ~1.5x MKL's sgemv, which a one-row step spent ~90% of its time in); oneDNN for
-linears of more rows. Greedy tokens stay transformers' eager float32 (`bucketserve verify`). Other dtypes, shapes
-the kernels do not take, and machines where the build fails (logged once) use SDPA, MKL and oneDNN.
+decode rows and 1.4-2.1x the prompt kernel's on prompts, docs/performance.md) and, for steps of 1-32 rows, the fp32
+vector matmul on a fp32 tile copy (tiled_matmul.c; AMD EPYC: one row 1.24x the plain-weight one-row matmul of
+small_matmul.c, itself ~1.5x MKL's sgemv; 8 rows 1.8x oneDNN); oneDNN for linears of more rows. Greedy tokens
+stay transformers' eager float32 (`bucketserve verify`). Other dtypes, shapes the kernels do not take, and
+machines where the build fails (logged once) use SDPA, MKL and oneDNN.
 The library's build and loading: models/native_library.py.
 """
 
@@ -54,6 +55,9 @@ AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 128
 # Rows the vector kernel on the tile copy takes where there is no AMX (tiled_matmul.c; AMD EPYC, the 211 weights of
 # a SmolLM2 step: 64 rows 79 ms against oneDNN's 89, 272 rows 337 against 343: even from there on).
 TILED_MAX_ROWS = 128
+# Rows of float32 steps the fp32 vector kernel takes (tiled_matmul.c, the same CPU and weights in fp32: 1.2x oneDNN
+# at 32 rows, even at 64, 0.97x at 128).
+TILED_F32_MAX_ROWS = 32
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # decode_attention.c's MAX_G and 16 * MAX_C
 
 
@@ -184,6 +188,26 @@ def tile_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return _tiled(weight.detach()) if _tiles_take(weight, amx_available() or tiled_available()) else None
 
 
+def f32_tile_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] fp32 -> its copy for the fp32 vector matmul, [N/32, K, 32] (tiled_matmul.c: the 32 weights of
+    column group g at k are [g, k, :]), or None when the kernel does not run here or N is not a multiple of 32."""
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    if weight.dtype != torch.float32 or not n or not k or n % 32 or not available() or not has("matmul"):
+        return None
+    return weight.detach().view(n // 32, 32, k).transpose(1, 2).contiguous()
+
+
+def tiled_matmul_f32(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
+    """rows [M, K] fp32 @ w.T -> [M, N] fp32 for 1 <= M <= TILED_F32_MAX_ROWS, from w's copy made by f32_tile_pack;
+    None when the kernel does not take these inputs."""
+    m, k = rows.shape
+    if (not 1 <= m <= TILED_F32_MAX_ROWS or rows.dtype != torch.float32 or packed.dtype != torch.float32
+            or packed.dim() != 3 or packed.shape[1] != k or packed.shape[2] != 32 or not packed.is_contiguous()
+            or not available() or not has("matmul")):
+        return None
+    return _checked(rows, (TILED_F32, packed.data_ptr(), 0), packed.shape[0] * 32, None)
+
+
 def _tiles_take(weight: torch.Tensor, kernel: bool) -> bool:
     """A tile kernel (`kernel`: it runs here) can read a copy of this weight: [N, K] bf16, N and K multiples of
     32."""
@@ -233,13 +257,14 @@ def one_row_f32_takes(weight: torch.Tensor) -> bool:
 
 # (kind, weight copy's address, scales' address or 0): what linear.c's entries read. kind 0: the small matmul on
 # the plain weight; 1: the AMX matmul on the tile copy (tile_pack); 2: the int8 tile copy and its scales (int8_pack);
-# 3: the float32 one-row matmul on the plain fp32 weight; 4: the vector matmul on the tile copy (no AMX)
+# 3: the float32 one-row matmul on the plain fp32 weight; 4: the vector matmul on the tile copy (no AMX); 5: the fp32
+# vector matmul on the fp32 tile copy (f32_tile_pack)
 Kernel = tuple[int, int, int]
-SMALL, AMX, AMX_INT8, ONE_ROW_F32, TILED = 0, 1, 2, 3, 4
+SMALL, AMX, AMX_INT8, ONE_ROW_F32, TILED, TILED_F32 = 0, 1, 2, 3, 4, 5
 
 
 def packed_linear(x: torch.Tensor, kernel: Kernel, n: int) -> torch.Tensor | None:
-    """x [..., K] bf16 (fp32 for ONE_ROW_F32) contiguous @ the weight `kernel` reads (chosen once per weight by
+    """x [..., K] bf16 (fp32 for ONE_ROW_F32 and TILED_F32) contiguous @ the weight `kernel` reads (chosen once per weight by
     models/prepack.py) -> [..., N] in x's dtype; None when the kernel declines (the caller uses oneDNN). The lean
     path: the C side checks the shapes; the output is made in its final shape (a reshape and a view cost ~2 us of a
     ~10 us one-row call)."""

@@ -27,18 +27,20 @@ precision and the tokens that follow are computed with the int8 weights.
 Numerics: the same oneDNN bf16 kernel with fp32 accumulation as the plain path (outputs agree to the bf16
 rounding; the small-row kernel sums in another order, also in fp32).
 
-float32 (the reference dtype): steps of 2+ rows take oneDNN's fp32 matmul on the packed copy, one-row steps the
-native fp32 one-row matmul on the plain weight (models/csrc/small_matmul.c: 16 weight rows streamed at a time, ~1.5x
-MKL's sgemv here, fp32 sums in another order), or MKL's, as transformers' eager path does, where the native
-kernels are off or do not take the weight. MKL's sgemm is slow at a few rows here (one thread, 8 rows:
+float32 (the reference dtype): steps of 1-32 rows take the fp32 vector matmul on a fp32 tile copy
+(models/csrc/tiled_matmul.c; AMD EPYC: 1.24x the plain-weight one-row kernel at one row, 1.8x oneDNN at 8 rows,
+1.25x at 16), where there is none the native fp32 one-row matmul on the plain weight (models/csrc/small_matmul.c:
+16 weight rows streamed at a time, ~1.5x MKL's sgemv here, fp32 sums in another order) for one row, or MKL's, as
+transformers' eager path does, where the native kernels are off or do not take the weight; more rows oneDNN's
+fp32 matmul on the packed copy. MKL's sgemm is slow at a few rows here (one thread, 8 rows:
 0.35 ms for a 1536x576 weight against oneDNN's 0.18 from the packed copy, the lm_head 14.8 against 6.4 ms), and
 oneDNN is as fast or faster up to prompt-sized steps. Its sums run in another order than MKL's: outputs differ by
 fp32 rounding (~1e-5 here), as MKL's own batched and one-row results already did, and greedy tokens stay those
 of transformers' eager float32 (`bucketserve verify --dtype float32`, the invariance tests). No fused MLP, no
-native RMSNorm in float32 (its native kernels: this one-row matmul and the attention kernels).
-Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16), the tile copy a
-third (and the lm_head's: 57 MB more for SmolLM2's tied embeddings); the int8 copy, where it replaces the AMX
-one, half of that.
+native RMSNorm in float32 (its native kernels: these matmuls and the attention kernels).
+Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16, 540 in fp32), the
+tile copy a third (and the lm_head's: 57 MB more in bf16 for SmolLM2's tied embeddings, 113 in fp32); the int8
+copy, where it replaces the AMX one, half of the bf16 one.
 """
 
 from __future__ import annotations
@@ -61,9 +63,12 @@ from models.native import (
     SMALL,
     SMALL_MATMUL_STEP_ROWS,
     TILED,
+    TILED_F32,
+    TILED_F32_MAX_ROWS,
     TILED_MAX_ROWS,
     Kernel,
     amx_available,
+    f32_tile_pack,
     int8_pack,
     one_row_f32_takes,
     packed_linear,
@@ -90,8 +95,12 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str) -> Packed
     """The copies of `weight` (oneDNN's, and the tile or int8 tile copy) and which kernel each step size reads:
     int8 (1-128 rows) where quantized; with AMX the small matmul for one row and the AMX tiles for 2-128; without,
     the vector matmul on the tile copy for 1-128 (the small matmul for 1-2 where there is no tile copy);
-    float32: the fp32 one-row matmul for one row."""
-    if weight.dtype == torch.float32:  # one row: the fp32 one-row matmul (or MKL's); more: oneDNN
+    float32: the fp32 vector matmul on its fp32 tile copy for 1-32 rows (else the fp32 one-row matmul for one)."""
+    if weight.dtype == torch.float32:
+        f32_tiles = f32_tile_pack(weight)
+        if f32_tiles is not None:
+            vector32: Kernel = (TILED_F32, f32_tiles.data_ptr(), 0)
+            return Packed(weight.shape, onednn, f32_tiles, None, vector32, vector32, TILED_F32_MAX_ROWS)
         one: Kernel | None = (ONE_ROW_F32, weight.data_ptr(), 0) if one_row_f32_takes(weight) else None
         return Packed(weight.shape, onednn, None, None, one, None, 1)
     q8 = int8_pack(weight) if quantize == "int8" else None
@@ -139,8 +148,7 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if entry is None:
         return F.linear(x, weight, bias)
     one_f32 = _one_float32_row(x)
-    native_dtype = x.dtype is torch.bfloat16 or one_f32
-    kernel = entry.kernel(x.numel() // x.shape[-1]) if native_dtype and native.enabled() else None
+    kernel = entry.kernel(x.numel() // x.shape[-1]) if native.enabled() else None  # None for float16
     if kernel is not None:
         out = packed_linear(x if x.is_contiguous() else x.contiguous(), kernel, entry.shape[0])
         if out is not None:

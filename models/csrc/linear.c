@@ -5,7 +5,8 @@
  *
  * kind: 0 the small matmul on the plain weight [N, K]; 1 the AMX matmul on its tile copy; 2 the AMX matmul on
  * the int8 tile copy with per-column scales `s`; 3 the float32 one-row matmul on the plain fp32 weight (x and y
- * fp32; the others read and write bf16); 4 the AVX512-BF16 vector matmul on the tile copy (CPUs without AMX). */
+ * fp32; the others read and write bf16); 4 the AVX512-BF16 vector matmul on the tile copy (CPUs without AMX); 5 the
+ * float32 vector matmul on the fp32 tile copy (x and y fp32). */
 #include "vec16.h"
 
 int bucketserve_small_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
@@ -16,6 +17,8 @@ int bucketserve_small_matmul_f32(const float *x, const float *w, float *y, int64
                                  int threads);
 int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
                                   int64_t K, int threads);
+int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                                 int threads);
 int bucketserve_amx_matmul_q8(const uint16_t *x, const int8_t *q, const float *scale, uint16_t *y, int64_t M,
                               int64_t N, int64_t K, int threads);
 
@@ -28,6 +31,7 @@ int bucketserve_linear(const void *x, const void *w, const float *s, void *y, in
     case 2: return bucketserve_amx_matmul_q8(x, (const int8_t *)w, s, y, M, N, K, threads);
     case 3: return bucketserve_small_matmul_f32(x, (const float *)w, y, M, N, K, threads);
     case 4: return bucketserve_tiled_matmul_bf16(x, (const uint16_t *)w, y, M, N, K, threads);
+    case 5: return bucketserve_tiled_matmul_f32(x, (const float *)w, y, M, N, K, threads);
     default: return -1;
     }
 }
@@ -38,7 +42,7 @@ int bucketserve_linear(const void *x, const void *w, const float *s, void *y, in
 int bucketserve_gated_bf16(const uint16_t *x, const void *wg, const float *sg, const void *wu, const float *su,
                            uint16_t *y, uint16_t *gate, int64_t M, int64_t N, int64_t K, int kind, int threads) {
     if ((M * N) % 16) return -1;
-    if (kind == 3 || bucketserve_linear(x, wg, sg, gate, M, N, K, kind, threads) != 0) return -1;
+    if (kind == 3 || kind == 5 || bucketserve_linear(x, wg, sg, gate, M, N, K, kind, threads) != 0) return -1;
     if (bucketserve_linear(x, wu, su, y, M, N, K, kind, threads) != 0) return -1;
     for (int64_t i = 0; i < M * N; i += 16) {
         v16f g = load_bf16(gate + i), u = load_bf16(y + i);

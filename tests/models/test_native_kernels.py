@@ -327,6 +327,27 @@ def test_tiled_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_f
     torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 40), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 25, 32])
+def test_tiled_matmul_f32_equals_a_float32_matmul(rows: int, out_features: int, in_features: int,
+                                                  threads: int) -> None:
+    """The fp32 vector matmul on the fp32 tile copy: within fp32 rounding of PyTorch's (another order of sums)."""
+    if not (native.available() and native.has("matmul")):
+        pytest.skip("no AVX-512 kernels on this CPU")
+    torch.manual_seed(rows * out_features + 2)
+    x = torch.randn(rows, in_features)
+    w = torch.randn(out_features, in_features) * in_features ** -0.5
+    packed = native.f32_tile_pack(w)
+    assert packed is not None and packed.shape == (out_features // 32, in_features, 32)
+    assert packed[1, 3, 5] == w[37, 3]
+    got = native.tiled_matmul_f32(x, packed)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
+    assert native.tiled_matmul_f32(torch.randn(33, in_features), packed) is None  # 33 rows: oneDNN's
+    assert native.f32_tile_pack(torch.randn(48, in_features)) is None  # N % 32
+    assert native.f32_tile_pack(w.bfloat16()) is None
+
+
 def test_tiled_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
     if not (native.available() and native.has("matmul")):
         pytest.skip("no AVX512-BF16 on this CPU")

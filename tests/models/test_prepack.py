@@ -98,44 +98,41 @@ def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: 
     assert outputs[0] == outputs[1]
 
 
-def test_float32_takes_the_one_row_kernel_or_mkl_for_one_row_and_onednn_for_more(
+def test_float32_takes_the_vector_kernel_for_1_to_32_rows_mkl_with_kernels_off_and_onednn_for_more(
         tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32: one row reads the plain weight, through the native fp32 one-row matmul (sums in another order:
-    equal within fp32 rounding) or, with the kernels off, MKL's plain matmul (bit for bit the reference's);
-    several rows read the packed copy (oneDNN, equal within fp32 rounding)."""
+    """float32: 1-32 rows take the native fp32 vector matmul on the fp32 tile copy (sums in another order: equal
+    within fp32 rounding); with the kernels off one row takes MKL's plain matmul (bit for bit the reference's);
+    more rows (and 2-32 with the kernels off) read oneDNN's packed copy (equal within fp32 rounding)."""
     model = load_model(tiny_llama, "float32", "cpu")
     assert prepack(model) > 0
     layer = next(m for m in model.modules() if isinstance(m, PrepackedLinear))
     w = layer.weight.detach()
-    one = torch.randn(1, 1, w.shape[1])
+    one, rows, many = (torch.randn(n, w.shape[1]) for n in (1, 8, 33))
     kernel_calls: list[int] = []
     real_packed = prepack_module.packed_linear
 
-    def counted(*args: object) -> torch.Tensor | None:
-        kernel_calls.append(1)
-        return real_packed(*args)  # type: ignore[arg-type]
+    def counted(x: torch.Tensor, kernel: native.Kernel, n: int) -> torch.Tensor | None:
+        out = real_packed(x, kernel, n)
+        if out is not None:
+            kernel_calls.append(x.shape[0])
+        return out
+
+    onednn_calls: list[int] = []
+    real_onednn = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        onednn_calls.append(x.shape[0])
+        return real_onednn(x, *args)
 
     monkeypatch.setattr(prepack_module, "packed_linear", counted)
-    got = layer(one)  # the layer calls the op for one row too
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    for x in (one, rows, many):
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, w, layer.bias), rtol=1e-5, atol=1e-5)
     if native.available() and native.has("matmul"):
-        assert kernel_calls == [1]
-        torch.testing.assert_close(got, nn.functional.linear(one, w, layer.bias), rtol=1e-5, atol=1e-5)
+        assert kernel_calls == [1, 8] and onednn_calls == [33]
     monkeypatch.setitem(native_library._switch, "on", False)
     kernel_calls.clear()
+    onednn_calls.clear()
     assert torch.equal(torch.ops.bucketserve.linear(one, w, None), nn.functional.linear(one, w))
-    assert kernel_calls == []  # kernels off: MKL's matmul, the reference's own
-    monkeypatch.undo()
-    rows = torch.randn(8, w.shape[1])
-    torch.testing.assert_close(torch.ops.bucketserve.linear(rows, w, None), nn.functional.linear(rows, w),
-                               rtol=1e-5, atol=1e-5)
-    called: list[int] = []
-    real = torch.ops.mkldnn._linear_pointwise
-
-    def spy(*args: object) -> torch.Tensor:
-        called.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
     torch.ops.bucketserve.linear(rows, w, None)
-    torch.ops.bucketserve.linear(one, w, None)
-    assert called == [1]  # the 8-row call only
+    assert kernel_calls == [] and onednn_calls == [8]  # kernels off: MKL's matmul for one row, oneDNN for more
