@@ -1,0 +1,89 @@
+"""The linears of one SmolLM2-135M step (211 weights: per layer q, k, v, o, gate, up, down, x 30, and the 49152 x 576
+output head), random weights, through each kernel that can run them here, at a few row counts; one thread.
+
+    python scripts/bench_linears.py [--dtype bfloat16|float32] [--rows 1,2,4,8,16,64] [--reps 7]
+
+Prints, per row count, the median ms of the whole set for: oneDNN on its packed copy; the vector matmul on the tile
+copy (tiled_matmul.c); and where they apply the small matmul (bf16, 1-4 rows) and the one-row fp32 kernel
+(small_matmul.c) on the plain weight. Kernel calls go straight to the C entry (models/native.packed_linear), as
+the linear op makes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from models import native
+from models.native_library import has
+
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+SHAPES = LAYER * 30 + [(49152, 576)]
+
+
+def _median_ms(run: Callable[[], None], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _row_count(rows: int, dtype: torch.dtype, weights: list[torch.Tensor], onednn: list[torch.Tensor],
+               tiles: list[torch.Tensor], reps: int) -> dict[str, float]:
+    """Median ms of the whole set at `rows` input rows, per kernel that takes them."""
+    f32 = dtype == torch.float32
+    inputs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
+
+    def dnn() -> None:
+        for (_, k), w in zip(SHAPES, onednn):
+            torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
+
+    def kernel(kind: int, copies: list[torch.Tensor]) -> Callable[[], None]:
+        calls = [(inputs[k], (kind, c.data_ptr(), 0), n) for (n, k), c in zip(SHAPES, copies)]
+
+        def run() -> None:
+            for x, chosen, n in calls:
+                if native.packed_linear(x, chosen, n) is None:
+                    raise SystemExit(f"kernel {kind} declined {x.shape[0]} rows")
+
+        return run
+
+    result = {"oneDNN": _median_ms(dnn, reps)}
+    if rows <= (native.TILED_F32_MAX_ROWS if f32 else native.TILED_MAX_ROWS):
+        result["tiled"] = _median_ms(kernel(native.TILED_F32 if f32 else native.TILED, tiles), reps)
+    if f32 and rows == 1:
+        result["one-row fp32"] = _median_ms(kernel(native.ONE_ROW_F32, weights), reps)
+    if not f32 and rows <= native.SMALL_MATMUL_MAX_ROWS:
+        result["small"] = _median_ms(kernel(native.SMALL, weights), reps)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--rows", default="1,2,4,8,16,64")
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if not (native.available() and has("matmul")):
+        raise SystemExit("the native kernels need AVX512-BF16 on this CPU")
+    dtype = getattr(torch, args.dtype)
+    weights = [(torch.randn(n, k) * k ** -0.5).to(dtype) for n, k in SHAPES]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    packed = [native.f32_tile_pack(w) if dtype == torch.float32 else native._tiled(w) for w in weights]
+    tiles = [t for t in packed if t is not None]
+    print(f"{args.dtype}, 211 weights ({sum(w.numel() * w.element_size() for w in weights) / 1e6:.0f} MB), "
+          f"median ms of {args.reps}", flush=True)
+    for rows in (int(r) for r in args.rows.split(",")):
+        result = _row_count(rows, dtype, weights, onednn, tiles, args.reps)
+        print(f"rows {rows:4d}: " + ", ".join(f"{name} {ms:.1f}" for name, ms in result.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
