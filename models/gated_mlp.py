@@ -22,7 +22,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from models import native
-from models.native import packed_gated
+from models.native_matmul import packed_gated
 from models.prepack import PrepackedLinear, linear_cpu, packed_for
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models import native
+from models import native, native_matmul
 from models.compile import CompileSettings
 from models.gated_mlp import fuse_gated_mlps
 from models.prepack import prepack
@@ -50,9 +50,9 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
         third = ""
         if int8:
             third = " and weight-only int8 for steps of 1-128 rows (a third copy, half the bytes of bf16)"
-        elif dtype == torch.bfloat16 and native.amx_available():
+        elif dtype == torch.bfloat16 and native_matmul.amx_available():
             third = " and the AMX matmul (a third)"
-        elif dtype == torch.bfloat16 and native.tiled_available():
+        elif dtype == torch.bfloat16 and native_matmul.tiled_available():
             third = " and the vector matmul on a tile copy (a third)"
         log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", prepacked, third)
     # Prompt-sized steps fuse silu and the product into oneDNN. Not in float32: its fused epilogues would apply

@@ -1,5 +1,6 @@
 """The native kernels' library (models/csrc/): built once per machine, cached, loaded through ctypes, switched on
-or off for the process. The kernels' Python entries are in models/native.py.
+or off for the process. The kernels' Python entries are in models/native.py (attention, RMSNorm) and
+models/native_matmul.py (matmuls).
 
 The build: `$CC` (default gcc, else cc) with -O3 -march=native (built and run on the same machine; the CPU's
 flags are part of the cache key, so a cache shared by different machines never serves a wrong build) and

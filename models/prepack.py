@@ -11,7 +11,7 @@ CPU kernel looks the packed copy up by the weight's address. A weight with no pa
 a shape the op does not know) takes the plain `F.linear`: same result, just slower.
 
 Steps of 2-128 rows take bucketserve's AMX matmul on a third copy in the tiles' layout where the CPU has AMX
-(models/native.py: 1.1-1.4x oneDNN there: decode steps are memory-bound and oneDNN streams their weights at ~7
+(models/native_matmul.py: 1.1-1.4x oneDNN there: decode steps are memory-bound and oneDNN streams their weights at ~7
 GB/s of one core's ~12), and one-row steps its small matmul on the plain weight. Without AMX, steps of 1-128 rows
 take the vector matmul (AVX512-BF16) on the same tile copy (measured on an AMD EPYC: 1.3x the small matmul at one
 row, 1.4-2x oneDNN at 1-16 rows, 1.1x at 64); where there is no tile copy (N not a multiple of 32), 1-2 rows the
@@ -55,7 +55,7 @@ from torch import nn
 
 from models import native
 from models.compile import QUANTIZE_MODES
-from models.native import (
+from models.native_matmul import (
     AMX,
     AMX_INT8,
     AMX_MAX_ROWS,
@@ -82,7 +82,7 @@ class Packed(NamedTuple):
     onednn: torch.Tensor  # oneDNN's blocked copy (prompt-sized steps)
     tiles: torch.Tensor | None  # the tile copy (AMX: steps of 2-128 rows; the vector kernel: 1-128), or None
     int8: tuple[torch.Tensor, torch.Tensor] | None  # --quantize int8: (q, scale) for steps of 1-128 rows, or None
-    one: Kernel | None  # what a one-row step reads (native.packed_linear), or None: oneDNN
+    one: Kernel | None  # what a one-row step reads (native_matmul.packed_linear), or None: oneDNN
     few: Kernel | None  # what steps of 2..few_max rows read, or None: oneDNN
     few_max: int
 

@@ -5,7 +5,7 @@ output head), random weights, through each kernel that can run them here, at a f
 
 Prints, per row count, the median ms of the whole set for: oneDNN on its packed copy; the vector matmul on the tile
 copy (tiled_matmul.c); and where they apply the small matmul (bf16, 1-4 rows) and the one-row fp32 kernel
-(small_matmul.c) on the plain weight. Kernel calls go straight to the C entry (models/native.packed_linear), as
+(small_matmul.c) on the plain weight. Kernel calls go straight to the C entry (models/native_matmul.packed_linear), as
 the linear op makes them.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from models import native
+from models import native, native_matmul
 from models.native_library import has
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -49,18 +49,18 @@ def _row_count(rows: int, dtype: torch.dtype, weights: list[torch.Tensor], onedn
 
         def run() -> None:
             for x, chosen, n in calls:
-                if native.packed_linear(x, chosen, n) is None:
+                if native_matmul.packed_linear(x, chosen, n) is None:
                     raise SystemExit(f"kernel {kind} declined {x.shape[0]} rows")
 
         return run
 
     result = {"oneDNN": _median_ms(dnn, reps)}
-    if rows <= (native.TILED_F32_MAX_ROWS if f32 else native.TILED_MAX_ROWS):
-        result["tiled"] = _median_ms(kernel(native.TILED_F32 if f32 else native.TILED, tiles), reps)
+    if rows <= (native_matmul.TILED_F32_MAX_ROWS if f32 else native_matmul.TILED_MAX_ROWS):
+        result["tiled"] = _median_ms(kernel(native_matmul.TILED_F32 if f32 else native_matmul.TILED, tiles), reps)
     if f32 and rows == 1:
-        result["one-row fp32"] = _median_ms(kernel(native.ONE_ROW_F32, weights), reps)
-    if not f32 and rows <= native.SMALL_MATMUL_MAX_ROWS:
-        result["small"] = _median_ms(kernel(native.SMALL, weights), reps)
+        result["one-row fp32"] = _median_ms(kernel(native_matmul.ONE_ROW_F32, weights), reps)
+    if not f32 and rows <= native_matmul.SMALL_MATMUL_MAX_ROWS:
+        result["small"] = _median_ms(kernel(native_matmul.SMALL, weights), reps)
     return result
 
 
@@ -76,7 +76,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     weights = [(torch.randn(n, k) * k ** -0.5).to(dtype) for n, k in SHAPES]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-    packed = [native.f32_tile_pack(w) if dtype == torch.float32 else native._tiled(w) for w in weights]
+    packed = [native_matmul.f32_tile_pack(w) if dtype == torch.float32 else native_matmul._tiled(w) for w in weights]
     tiles = [t for t in packed if t is not None]
     print(f"{args.dtype}, 211 weights ({sum(w.numel() * w.element_size() for w in weights) / 1e6:.0f} MB), "
           f"median ms of {args.reps}", flush=True)

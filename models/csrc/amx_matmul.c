@@ -1,4 +1,4 @@
-/* y = x @ w.T in bfloat16 with AMX tiles, on a copy of the weight packed for them (models/native.py packs it and
+/* y = x @ w.T in bfloat16 with AMX tiles, on a copy of the weight packed for them (models/native_matmul.py packs it and
  * calls this; models/prepack.py routes bf16 linears here).
  *
  * Why: oneDNN's prepacked bf16 matmul streams a decode step's weights at ~8 GB/s for 8-16 rows, where one core

@@ -1,4 +1,4 @@
-/* y = x @ w.T for a few rows of bfloat16 (decode steps of 1-4 rows), on the plain [N, K] weight (models/native.py
+/* y = x @ w.T for a few rows of bfloat16 (decode steps of 1-4 rows), on the plain [N, K] weight (models/native_matmul.py
  * builds and loads this; models/prepack.py calls it for bf16 linears of up to MAX_ROWS rows).
  *
  * Why: a decode step's linears read every weight once for a handful of rows, so they are bound by memory

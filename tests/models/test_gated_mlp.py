@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from buckets import BucketTable, GraphKey
-from models import native
+from models import native, native_matmul
 from models.compile import CompileSettings
 from models.gated_mlp import GatedSiLUMLP, fuse_gated_mlps
 from models.loading import load_model
-from models.native import SMALL_MATMUL_STEP_ROWS
+from models.native_matmul import SMALL_MATMUL_STEP_ROWS
 from models.prepack import prepack, supported
 from models.runner import ModelRunner, PrefillRow
 
@@ -38,12 +38,12 @@ def test_the_op_computes_silu_gate_times_up(rows: int, bias: bool) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 16, 128])
 def test_decode_sized_steps_take_one_native_call_rounded_as_eager(monkeypatch: pytest.MonkeyPatch, rows: int,
                                                                   quantize: str) -> None:
-    """Steps of 1-128 rows (no biases) run both matmuls, silu and the product in one C call (native.packed_gated),
+    """Steps of 1-128 rows (no biases) run both matmuls, silu and the product in one C call (native_matmul.packed_gated),
     rounded as the unfused eager ops round (each to bf16): equal but for the rare element where the kernel's exp
     and PyTorch's land on two sides of a bf16 rounding boundary (one step apart)."""
-    if not native.available() or (quantize == "int8" and not native.amx_available()):
+    if not native.available() or (quantize == "int8" and not native_matmul.amx_available()):
         pytest.skip("needs the native kernels (int8: AMX)")
-    if rows > SMALL_MATMUL_STEP_ROWS and not (native.amx_available() or native.tiled_available()):
+    if rows > SMALL_MATMUL_STEP_ROWS and not (native_matmul.amx_available() or native_matmul.tiled_available()):
         pytest.skip("steps of 3+ rows take the native call only with a tile kernel (oneDNN's fused matmuls here)")
     torch.manual_seed(rows)
     layers = nn.ModuleDict({"gate": nn.Linear(576, 1536, bias=False), "up": nn.Linear(576, 1536, bias=False)})
@@ -52,7 +52,7 @@ def test_decode_sized_steps_take_one_native_call_rounded_as_eager(monkeypatch: p
     gate, up = layers["gate"], layers["up"]
     x = torch.randn(rows, 1, 576).bfloat16()
     calls: list[int] = []
-    real = native.packed_gated
+    real = native_matmul.packed_gated
 
     def counted(*args: object) -> torch.Tensor | None:
         out = real(*args)  # type: ignore[arg-type]

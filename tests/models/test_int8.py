@@ -1,4 +1,4 @@
-"""Weight-only int8 (`--quantize int8`, models/native.py int8_pack / int8_matmul, routed by models/prepack.py):
+"""Weight-only int8 (`--quantize int8`, models/native_matmul.py int8_pack / int8_matmul, routed by models/prepack.py):
 the packed copy holds each weight's rounding to its column's int8 grid, the AMX kernel equals a float32 matmul of
 that dequantized weight, steps of 1-128 rows read it and larger ones keep oneDNN's bf16, and a quantized runner
 serves with logits close to bf16's."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from buckets import BucketTable
-from models import native, native_library
+from models import native_library, native_matmul
 from models.compile import CompileSettings
 from models.generator import generate_one
 from models.loading import load_model
@@ -22,7 +22,7 @@ from models.sampling import SamplingParams
 
 @pytest.fixture(autouse=True)
 def _amx() -> None:
-    if not native.amx_available():
+    if not native_matmul.amx_available():
         pytest.skip("no AMX on this CPU (or Linux does not grant the tile state)")
 
 
@@ -44,7 +44,7 @@ def test_int8_pack_rounds_each_weight_to_its_columns_grid() -> None:
     torch.manual_seed(0)
     w = torch.randn(64, 96).bfloat16()
     w[5] = 0  # a zero column: scale stays positive, q stays 0
-    packed = native.int8_pack(w)
+    packed = native_matmul.int8_pack(w)
     assert packed is not None
     q, scale = packed
     assert q.dtype == torch.int8 and q.shape == (2, 3, 2, 16, 16, 2) and scale.shape == (64,)
@@ -65,30 +65,30 @@ def test_int8_matmul_equals_a_float32_matmul_of_the_dequantized_weight(rows: int
     torch.manual_seed(rows + out_features)
     x = torch.randn(rows, in_features).bfloat16()
     w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
-    packed = native.int8_pack(w)
+    packed = native_matmul.int8_pack(w)
     assert packed is not None
     want = x.float() @ _dequantized(*packed).T
-    got = native.int8_matmul(x, *packed)
+    got = native_matmul.int8_matmul(x, *packed)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)  # one bf16 rounding of fp32 sums
     bias = torch.randn(out_features).bfloat16()
-    with_bias = native.int8_matmul(x, *packed, bias)
+    with_bias = native_matmul.int8_matmul(x, *packed, bias)
     assert with_bias is not None
     torch.testing.assert_close(with_bias.float(), want + bias.float(), rtol=1e-2, atol=2e-2)
 
 
 def test_int8_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
-    packed = native.int8_pack(torch.randn(96, 64).bfloat16())
+    packed = native_matmul.int8_pack(torch.randn(96, 64).bfloat16())
     assert packed is not None
     q, scale = packed
-    assert native.int8_matmul(torch.randn(129, 64).bfloat16(), q, scale) is None  # a prompt: oneDNN's
-    assert native.int8_matmul(torch.randn(4, 64), q, scale) is None  # float32 input
-    assert native.int8_matmul(torch.randn(4, 32).bfloat16(), q, scale) is None  # K does not match
-    assert native.int8_matmul(torch.randn(4, 64).bfloat16(), q, scale[:32]) is None  # a scale per column
-    assert native.int8_pack(torch.randn(48, 64).bfloat16()) is None  # N % 32
-    assert native.int8_pack(torch.randn(96, 64)) is None  # float32 weights are never quantized
+    assert native_matmul.int8_matmul(torch.randn(129, 64).bfloat16(), q, scale) is None  # a prompt: oneDNN's
+    assert native_matmul.int8_matmul(torch.randn(4, 64), q, scale) is None  # float32 input
+    assert native_matmul.int8_matmul(torch.randn(4, 32).bfloat16(), q, scale) is None  # K does not match
+    assert native_matmul.int8_matmul(torch.randn(4, 64).bfloat16(), q, scale[:32]) is None  # a scale per column
+    assert native_matmul.int8_pack(torch.randn(48, 64).bfloat16()) is None  # N % 32
+    assert native_matmul.int8_pack(torch.randn(96, 64)) is None  # float32 weights are never quantized
     monkeypatch.setitem(native_library._switch, "on", False)
-    assert native.int8_matmul(torch.randn(4, 64).bfloat16(), q, scale) is None  # --no-native-kernels
+    assert native_matmul.int8_matmul(torch.randn(4, 64).bfloat16(), q, scale) is None  # --no-native-kernels
 
 
 def test_quantized_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,11 +105,11 @@ def test_quantized_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     assert entry.int8 is not None and entry.amx is None  # the int8 copy replaces the bf16 AMX copy
     deq = _dequantized(*entry.int8)
     taken: list[int] = []
-    real = native.packed_linear
+    real = native_matmul.packed_linear
 
-    def counted(x: torch.Tensor, kernel: native.Kernel, n: int) -> torch.Tensor | None:
+    def counted(x: torch.Tensor, kernel: native_matmul.Kernel, n: int) -> torch.Tensor | None:
         out = real(x, kernel, n)
-        if out is not None and kernel[0] == native.AMX_INT8:
+        if out is not None and kernel[0] == native_matmul.AMX_INT8:
             taken.append(x.numel() // x.shape[-1])
         return out
 

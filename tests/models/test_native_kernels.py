@@ -1,8 +1,8 @@
-"""bucketserve's own kernels (models/native.py): they build here; decode attention equals attention in float32
-to bf16 rounding over each row's own slot and extent and never reads past an extent; the small matmul equals a
-float32 matmul to bf16 rounding, and so does the AMX matmul; the attention ops and the prepacked linear use them
-for bf16 and fp32 decoding rows, and bf16 steps of 1-128 rows (falling back to SDPA and oneDNN where they do not apply or are
-switched off)."""
+"""bucketserve's own kernels (models/native.py, models/native_matmul.py): they build here; decode attention equals
+attention in float32 to bf16 rounding over each row's own slot and extent and never reads past an extent; the small
+matmul, the AMX matmul and the vector matmuls on the tile copies equal a float32 matmul to bf16 (fp32) rounding; the
+attention ops and the prepacked linear use them for bf16 and fp32 decoding rows, and steps of 1-128 rows (falling
+back to SDPA and oneDNN where they do not apply or are switched off)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import native, native_library
+from models import native, native_library, native_matmul
 from models.attention import mixed_plan, packed_sdpa
 from models.prepack import prepack
 from tests.models.test_attention import FakeAttention
@@ -181,13 +181,13 @@ def test_small_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_f
     torch.manual_seed(rows * out_features)
     x = torch.randn(rows, in_features).bfloat16()
     w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
-    got = native.small_matmul(x, w)
+    got = native_matmul.small_matmul(x, w)
     if got is None:  # a CPU without AVX512-BF16: the kernel declines, oneDNN runs
         pytest.skip("no AVX512-BF16 on this CPU")
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
     bias = torch.randn(out_features).bfloat16()
-    with_bias = native.small_matmul(x, w, bias)
+    with_bias = native_matmul.small_matmul(x, w, bias)
     assert with_bias is not None
     torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
 
@@ -199,23 +199,23 @@ def test_float32_one_row_matmul_equals_mkl(out_features: int, in_features: int, 
     torch.manual_seed(out_features + in_features)
     w = torch.randn(out_features, in_features) * in_features ** -0.5
     x = torch.randn(1, in_features)
-    if not native.one_row_f32_takes(w):
+    if not native_matmul.one_row_f32_takes(w):
         pytest.skip("no AVX-512 kernels on this CPU")
-    kernel = (native.ONE_ROW_F32, w.data_ptr(), 0)
-    got = native.packed_linear(x, kernel, out_features)
+    kernel = (native_matmul.ONE_ROW_F32, w.data_ptr(), 0)
+    got = native_matmul.packed_linear(x, kernel, out_features)
     assert got is not None and got.dtype == torch.float32 and got.shape == (1, out_features)
     torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
-    assert native.packed_linear(torch.randn(2, in_features), kernel, out_features) is None  # one row only
-    assert not native.one_row_f32_takes(torch.randn(out_features + 8, in_features))
-    assert not native.one_row_f32_takes(w.bfloat16())
+    assert native_matmul.packed_linear(torch.randn(2, in_features), kernel, out_features) is None  # one row only
+    assert not native_matmul.one_row_f32_takes(torch.randn(out_features + 8, in_features))
+    assert not native_matmul.one_row_f32_takes(w.bfloat16())
 
 
 def test_small_matmul_declines_what_it_does_not_take() -> None:
     w = torch.randn(48, 64).bfloat16()
-    assert native.small_matmul(torch.randn(5, 64).bfloat16(), w) is None  # 5 rows: oneDNN's
-    assert native.small_matmul(torch.randn(1, 64), w.float()) is None  # float32: the reference path
-    assert native.small_matmul(torch.randn(1, 40).bfloat16(), torch.randn(48, 40).bfloat16()) is None  # K % 32
-    assert native.small_matmul(torch.randn(1, 64).bfloat16(), torch.randn(40, 64).bfloat16()) is None  # N % 16
+    assert native_matmul.small_matmul(torch.randn(5, 64).bfloat16(), w) is None  # 5 rows: oneDNN's
+    assert native_matmul.small_matmul(torch.randn(1, 64), w.float()) is None  # float32: the reference path
+    assert native_matmul.small_matmul(torch.randn(1, 40).bfloat16(), torch.randn(48, 40).bfloat16()) is None  # K % 32
+    assert native_matmul.small_matmul(torch.randn(1, 64).bfloat16(), torch.randn(40, 64).bfloat16()) is None  # N % 16
 
 
 def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,20 +230,20 @@ def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr("models.prepack.packed_linear", _counting(taken))
     for rows, x in inputs.items():
         torch.testing.assert_close(layer(x), plain[rows], rtol=1e-2, atol=1e-2)
-    if native.small_matmul(inputs[1][0], layer.weight) is None:
+    if native_matmul.small_matmul(inputs[1][0], layer.weight) is None:
         pytest.skip("no AVX512-BF16 on this CPU")
-    if native.amx_available():
+    if native_matmul.amx_available():
         assert taken == [("small", 1), ("amx", 2), ("amx", 4), ("amx", 5), ("amx", 128)]  # 129 rows: oneDNN
     else:
         assert taken == [("tiled", 1), ("tiled", 2), ("tiled", 4), ("tiled", 5), ("tiled", 128)]  # 129: oneDNN
 
 
-def _counting(taken: list[tuple[str, int]]) -> Callable[[torch.Tensor, native.Kernel, int], torch.Tensor | None]:
+def _counting(taken: list[tuple[str, int]]) -> Callable[[torch.Tensor, native_matmul.Kernel, int], torch.Tensor | None]:
     """packed_linear, recording (kernel name, rows) of each call a kernel of ours took."""
-    names = {native.SMALL: "small", native.AMX: "amx", native.AMX_INT8: "int8", native.TILED: "tiled"}
-    real = native.packed_linear
+    names = {native_matmul.SMALL: "small", native_matmul.AMX: "amx", native_matmul.AMX_INT8: "int8", native_matmul.TILED: "tiled"}
+    real = native_matmul.packed_linear
 
-    def counted(x: torch.Tensor, kernel: native.Kernel, n: int) -> torch.Tensor | None:
+    def counted(x: torch.Tensor, kernel: native_matmul.Kernel, n: int) -> torch.Tensor | None:
         out = real(x, kernel, n)
         if out is not None:
             taken.append((names[kernel[0]], x.numel() // x.shape[-1]))
@@ -256,7 +256,7 @@ def test_a_weight_without_a_tile_copy_takes_the_small_matmul_for_one_and_two_row
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Without AMX, a weight the tiles cannot hold (N = 48: not a multiple of 32) still takes the small matmul for
     1-2 rows and oneDNN from 3 rows on."""
-    if native.amx_available() or not native.tiled_available():
+    if native_matmul.amx_available() or not native_matmul.tiled_available():
         pytest.skip("needs AVX512-BF16 without AMX")
     torch.manual_seed(4)
     layer = torch.nn.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
@@ -271,19 +271,19 @@ def test_a_weight_without_a_tile_copy_takes_the_small_matmul_for_one_and_two_row
 
 
 def _amx_or_skip() -> None:
-    if not native.amx_available():
+    if not native_matmul.amx_available():
         pytest.skip("no AMX on this CPU (or Linux does not grant the tile state)")
 
 
 def _tiles_or_skip() -> None:
-    if not (native.amx_available() or native.tiled_available()):
+    if not (native_matmul.amx_available() or native_matmul.tiled_available()):
         pytest.skip("no AMX and no AVX512-BF16 on this CPU: no kernel reads a tile copy")
 
 
 def test_tile_pack_puts_each_weight_pair_where_the_tiles_read_it() -> None:
     _tiles_or_skip()
     w = torch.randn(64, 96).bfloat16()
-    packed = native.tile_pack(w)
+    packed = native_matmul.tile_pack(w)
     assert packed is not None and packed.shape == (2, 3, 2, 16, 16, 2)
     for g, b, j, r, n, i in [(0, 0, 0, 0, 0, 0), (1, 2, 1, 15, 15, 1), (0, 1, 1, 3, 7, 0), (1, 0, 0, 9, 2, 1)]:
         assert packed[g, b, j, r, n, i] == w[32 * g + 16 * j + n, 32 * b + 2 * r + i]
@@ -296,13 +296,13 @@ def test_amx_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_fea
     torch.manual_seed(rows * out_features)
     x = torch.randn(rows, in_features).bfloat16()
     w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
-    packed = native.tile_pack(w)
+    packed = native_matmul.tile_pack(w)
     assert packed is not None
-    got = native.amx_matmul(x, packed)
+    got = native_matmul.amx_matmul(x, packed)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
     bias = torch.randn(out_features).bfloat16()
-    with_bias = native.amx_matmul(x, packed, bias)
+    with_bias = native_matmul.amx_matmul(x, packed, bias)
     assert with_bias is not None
     torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
 
@@ -317,12 +317,12 @@ def test_tiled_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_f
     torch.manual_seed(rows * out_features + 1)
     x = torch.randn(rows, in_features).bfloat16()
     w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
-    packed = native._tiled(w)
-    got = native.tiled_matmul(x, packed)
+    packed = native_matmul._tiled(w)
+    got = native_matmul.tiled_matmul(x, packed)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
     bias = torch.randn(out_features).bfloat16()
-    with_bias = native.tiled_matmul(x, packed, bias)
+    with_bias = native_matmul.tiled_matmul(x, packed, bias)
     assert with_bias is not None
     torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
 
@@ -337,42 +337,42 @@ def test_tiled_matmul_f32_equals_a_float32_matmul(rows: int, out_features: int, 
     torch.manual_seed(rows * out_features + 2)
     x = torch.randn(rows, in_features)
     w = torch.randn(out_features, in_features) * in_features ** -0.5
-    packed = native.f32_tile_pack(w)
+    packed = native_matmul.f32_tile_pack(w)
     assert packed is not None and packed.shape == (out_features // 32, in_features, 32)
     assert packed[1, 3, 5] == w[37, 3]
-    got = native.tiled_matmul_f32(x, packed)
+    got = native_matmul.tiled_matmul_f32(x, packed)
     assert got is not None and got.dtype == torch.float32 and got.shape == (rows, out_features)
     torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
-    assert native.tiled_matmul_f32(torch.randn(33, in_features), packed) is None  # 33 rows: oneDNN's
-    assert native.f32_tile_pack(torch.randn(48, in_features)) is None  # N % 32
-    assert native.f32_tile_pack(w.bfloat16()) is None
+    assert native_matmul.tiled_matmul_f32(torch.randn(33, in_features), packed) is None  # 33 rows: oneDNN's
+    assert native_matmul.f32_tile_pack(torch.randn(48, in_features)) is None  # N % 32
+    assert native_matmul.f32_tile_pack(w.bfloat16()) is None
 
 
 def test_tiled_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
     if not (native.available() and native.has("matmul")):
         pytest.skip("no AVX512-BF16 on this CPU")
-    packed = native._tiled(torch.randn(96, 64).bfloat16())
-    assert native.tiled_matmul(torch.randn(129, 64).bfloat16(), packed) is None  # a prompt: oneDNN's
-    assert native.tiled_matmul(torch.randn(4, 64), packed) is None  # float32: the reference path
-    assert native.tiled_matmul(torch.randn(4, 32).bfloat16(), packed) is None  # K does not match
+    packed = native_matmul._tiled(torch.randn(96, 64).bfloat16())
+    assert native_matmul.tiled_matmul(torch.randn(129, 64).bfloat16(), packed) is None  # a prompt: oneDNN's
+    assert native_matmul.tiled_matmul(torch.randn(4, 64), packed) is None  # float32: the reference path
+    assert native_matmul.tiled_matmul(torch.randn(4, 32).bfloat16(), packed) is None  # K does not match
     monkeypatch.setitem(native_library._switch, "on", False)
-    assert native.tiled_matmul(torch.randn(4, 64).bfloat16(), packed) is None  # --no-native-kernels
+    assert native_matmul.tiled_matmul(torch.randn(4, 64).bfloat16(), packed) is None  # --no-native-kernels
 
 
 def test_amx_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
     _amx_or_skip()
     w = torch.randn(96, 64).bfloat16()
-    packed = native.tile_pack(w)
+    packed = native_matmul.tile_pack(w)
     assert packed is not None
-    assert native.amx_matmul(torch.randn(1, 64).bfloat16(), packed) is None  # one row: the small matmul's
-    assert native.amx_matmul(torch.randn(129, 64).bfloat16(), packed) is None  # a prompt: oneDNN's
-    assert native.amx_matmul(torch.randn(4, 64), packed) is None  # float32: the reference path
-    assert native.amx_matmul(torch.randn(4, 32).bfloat16(), packed) is None  # K does not match
-    assert native.tile_pack(torch.randn(48, 64).bfloat16()) is None  # N % 32
-    assert native.tile_pack(torch.randn(96, 40).bfloat16()) is None  # K % 32
-    assert native.tile_pack(w.float()) is None
+    assert native_matmul.amx_matmul(torch.randn(1, 64).bfloat16(), packed) is None  # one row: the small matmul's
+    assert native_matmul.amx_matmul(torch.randn(129, 64).bfloat16(), packed) is None  # a prompt: oneDNN's
+    assert native_matmul.amx_matmul(torch.randn(4, 64), packed) is None  # float32: the reference path
+    assert native_matmul.amx_matmul(torch.randn(4, 32).bfloat16(), packed) is None  # K does not match
+    assert native_matmul.tile_pack(torch.randn(48, 64).bfloat16()) is None  # N % 32
+    assert native_matmul.tile_pack(torch.randn(96, 40).bfloat16()) is None  # K % 32
+    assert native_matmul.tile_pack(w.float()) is None
     monkeypatch.setitem(native_library._switch, "on", False)
-    assert native.amx_matmul(torch.randn(4, 64).bfloat16(), packed) is None  # --no-native-kernels
+    assert native_matmul.amx_matmul(torch.randn(4, 64).bfloat16(), packed) is None  # --no-native-kernels
 
 
 def test_decode_reads_a_kv_bucket_of_the_slot_buffers(kernel_calls: list[bool]) -> None:

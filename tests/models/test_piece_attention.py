@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from models import native, native_library
+from models import native, native_library, native_matmul
 from models.attention import packed_sdpa, register
 from tests.models.test_attention import FakeAttention
 from tests.models.test_native_kernels import threads  # noqa: F401 (the fixture: 1 and 2 threads)
@@ -23,7 +23,7 @@ needs_kernel = pytest.mark.skipif(not (native.available() and native.has("matmul
 @pytest.fixture(params=["tiles", "vector"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The bf16 products: AMX tiles (where this CPU has them) or vector dot products (forced on AMX CPUs)."""
-    if request.param == "tiles" and not native.amx_available():
+    if request.param == "tiles" and not native_matmul.amx_available():
         pytest.skip("no AMX here")
     if request.param == "vector":
         monkeypatch.setitem(native_library._state, "amx", False)

@@ -12,7 +12,7 @@ from torch import nn
 
 import models.prepack as prepack_module
 from buckets import BucketTable
-from models import native, native_library
+from models import native, native_library, native_matmul
 from models.compile import CompileSettings
 from models.generator import generate_one
 from models.loading import load_model
@@ -111,7 +111,7 @@ def test_float32_takes_the_vector_kernel_for_1_to_32_rows_mkl_with_kernels_off_a
     kernel_calls: list[int] = []
     real_packed = prepack_module.packed_linear
 
-    def counted(x: torch.Tensor, kernel: native.Kernel, n: int) -> torch.Tensor | None:
+    def counted(x: torch.Tensor, kernel: native_matmul.Kernel, n: int) -> torch.Tensor | None:
         out = real_packed(x, kernel, n)
         if out is not None:
             kernel_calls.append(x.shape[0])

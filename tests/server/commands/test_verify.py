@@ -112,9 +112,9 @@ def test_verify_against_a_running_server(tiny_llama: str, tmp_path: Path) -> Non
 
 def test_verify_measures_int8_against_eager_bf16(tiny_llama: str, tmp_path: Path) -> None:
     """--quantize int8 --reference-dtype bfloat16: the agreement of the int8 serving path with plain bf16."""
-    from models import native
+    from models import native_matmul
 
-    if not native.amx_available():
+    if not native_matmul.amx_available():
         pytest.skip("--quantize int8 needs AMX")
     code, report = verify(tiny_llama, tmp_path, "--dtype", "bfloat16", "--quantize", "int8", "--reference-dtype",
                           "bfloat16", "--min-agreement", "0.5")
