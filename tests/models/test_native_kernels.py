@@ -290,39 +290,29 @@ def test_tile_pack_puts_each_weight_pair_where_the_tiles_read_it() -> None:
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("rows", [2, 5, 16, 17, 33, 128])
-def test_amx_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_features: int, threads: int) -> None:
-    _amx_or_skip()
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 16, 17, 25, 33, 128])
+@pytest.mark.parametrize("kernel", ["amx", "tiled"])
+def test_tile_matmuls_equal_a_float32_matmul(kernel: str, rows: int, out_features: int, in_features: int,
+                                             threads: int) -> None:
+    """The AMX matmul (2-128 rows) and the vector matmul on the same tile copy (1-128; CPUs without AMX, and on AMX
+    CPUs too when called): every row count in their blocks (the vector one's passes of up to 12 rows: 13 = 6 + 7,
+    25 = 8 + 8 + 9), each thread's share of the column groups."""
+    if kernel == "amx":
+        _amx_or_skip()
+        if rows < native_matmul.AMX_MIN_ROWS:
+            pytest.skip("one row is the small matmul's")
+    elif not (native.available() and native.has("matmul")):
+        pytest.skip("no AVX512-BF16 on this CPU")
+    matmul = native_matmul.amx_matmul if kernel == "amx" else native_matmul.tiled_matmul
     torch.manual_seed(rows * out_features)
     x = torch.randn(rows, in_features).bfloat16()
     w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
-    packed = native_matmul.tile_pack(w)
-    assert packed is not None
-    got = native_matmul.amx_matmul(x, packed)
-    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
-    bias = torch.randn(out_features).bfloat16()
-    with_bias = native_matmul.amx_matmul(x, packed, bias)
-    assert with_bias is not None
-    torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 16, 25, 33, 128])
-def test_tiled_matmul_equals_a_float32_matmul(rows: int, out_features: int, in_features: int, threads: int) -> None:
-    """The vector matmul on the tile copy (CPUs without AMX; it runs on AMX CPUs too when called): every row count
-    in passes of up to 12 rows (13: 7 + 6; 25: 8 + 8 + 9), each thread's share of the column groups."""
-    if not (native.available() and native.has("matmul")):
-        pytest.skip("no AVX512-BF16 on this CPU")
-    torch.manual_seed(rows * out_features + 1)
-    x = torch.randn(rows, in_features).bfloat16()
-    w = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
     packed = native_matmul._tiled(w)
-    got = native_matmul.tiled_matmul(x, packed)
+    got = matmul(x, packed)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
     bias = torch.randn(out_features).bfloat16()
-    with_bias = native_matmul.tiled_matmul(x, packed, bias)
+    with_bias = matmul(x, packed, bias)
     assert with_bias is not None
     torch.testing.assert_close(with_bias.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2, atol=2e-2)
 
