@@ -32,32 +32,36 @@
 #define AHEAD 4      /* k blocks (2 KiB each) between the weights a pass reads and those it prefetches */
 #define AHEAD_F32 64 /* fp32: k (128 bytes each) between the weights a pass reads and those it prefetches: 8 KiB */
 
-/* The passes over one column group: `rows` input rows from m0 in passes of at most MAX_BLOCK rows, as equal as
- * possible (13 rows: 6 + 7, not 12 + 1: a pass of few rows is bound by its dot products' latency); PASS(r, first)
- * runs a pass of constant r rows (the accumulators stay in registers), first for the group's first. */
-#define PASSES(M, PASS)                                                                                              \
-    do {                                                                                                             \
-        const int64_t passes_ = ((M) + MAX_BLOCK - 1) / MAX_BLOCK;                                                   \
-        for (int64_t p_ = 0, m0 = 0; p_ < passes_; p_++) {                                                           \
-            const int64_t rows_ = ((M) - m0) / (passes_ - p_);                                                       \
-            const int first = p_ == 0;                                                                               \
-            switch (rows_) {                                                                                         \
-            case 1: PASS(1, first); break;                                                                           \
-            case 2: PASS(2, first); break;                                                                           \
-            case 3: PASS(3, first); break;                                                                           \
-            case 4: PASS(4, first); break;                                                                           \
-            case 5: PASS(5, first); break;                                                                           \
-            case 6: PASS(6, first); break;                                                                           \
-            case 7: PASS(7, first); break;                                                                           \
-            case 8: PASS(8, first); break;                                                                           \
-            case 9: PASS(9, first); break;                                                                           \
-            case 10: PASS(10, first); break;                                                                         \
-            case 11: PASS(11, first); break;                                                                         \
-            default: PASS(MAX_BLOCK, first); break;                                                                  \
+/* Column groups [g0, g1) (each K * 32 weights of w, from g * K * 32): for each group, the M input rows in passes
+ * of at most MAX_BLOCK rows, as equal as possible (13 rows: 6 + 7, not 12 + 1: a pass of few rows is bound by its
+ * dot products' latency). PASS(x, wg, y, r, N, K, m0, g, first) is a pass of constant r rows (the accumulators stay
+ * in registers); `first` for the group's first pass, the one that reads it from memory. */
+#define GROUPS(NAME, T, PASS)                                                                                        \
+    static void NAME(const T *x, const T *w, T *y, int64_t M, int64_t N, int64_t K, int64_t g0, int64_t g1) {        \
+        const int64_t passes = (M + MAX_BLOCK - 1) / MAX_BLOCK;                                                      \
+        for (int64_t g = g0; g < g1; g++) {                                                                          \
+            const T *wg = w + g * K * 32;                                                                            \
+            for (int64_t p = 0, m0 = 0; p < passes; p++) {                                                           \
+                const int64_t rows = (M - m0) / (passes - p);                                                        \
+                const int first = p == 0;                                                                            \
+                switch (rows) {                                                                                      \
+                case 1: PASS(x, wg, y, 1, N, K, m0, g, first); break;                                                \
+                case 2: PASS(x, wg, y, 2, N, K, m0, g, first); break;                                                \
+                case 3: PASS(x, wg, y, 3, N, K, m0, g, first); break;                                                \
+                case 4: PASS(x, wg, y, 4, N, K, m0, g, first); break;                                                \
+                case 5: PASS(x, wg, y, 5, N, K, m0, g, first); break;                                                \
+                case 6: PASS(x, wg, y, 6, N, K, m0, g, first); break;                                                \
+                case 7: PASS(x, wg, y, 7, N, K, m0, g, first); break;                                                \
+                case 8: PASS(x, wg, y, 8, N, K, m0, g, first); break;                                                \
+                case 9: PASS(x, wg, y, 9, N, K, m0, g, first); break;                                                \
+                case 10: PASS(x, wg, y, 10, N, K, m0, g, first); break;                                              \
+                case 11: PASS(x, wg, y, 11, N, K, m0, g, first); break;                                              \
+                default: PASS(x, wg, y, MAX_BLOCK, N, K, m0, g, first); break;                                       \
+                }                                                                                                    \
+                m0 += rows;                                                                                          \
             }                                                                                                        \
-            m0 += rows_;                                                                                             \
         }                                                                                                            \
-    } while (0)
+    }
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -96,16 +100,7 @@ static inline __attribute__((always_inline)) void pass(const uint16_t *x, const 
     }
 }
 
-/* Column groups [g0, g1) of bf16 weights: for each group, all M rows. */
-static void groups(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t g0,
-                   int64_t g1) {
-    for (int64_t g = g0; g < g1; g++) {
-        const uint16_t *wg = w + g * K * 32;
-#define PASS_BF16(r, first) pass(x, wg, y, r, N, K, m0, g, first)
-        PASSES(M, PASS_BF16);
-#undef PASS_BF16
-    }
-}
+GROUPS(groups, uint16_t, pass)
 
 /* float32: output columns [32g, 32g + 32) of input rows [m0, m0 + rows) from the group's [K, 32] weights wg. */
 static inline __attribute__((always_inline)) void pass_f32(const float *x, const float *wg, float *y, const int rows,
@@ -133,15 +128,7 @@ static inline __attribute__((always_inline)) void pass_f32(const float *x, const
     }
 }
 
-static void groups_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int64_t g0,
-                       int64_t g1) {
-    for (int64_t g = g0; g < g1; g++) {
-        const float *wg = w + g * K * 32;
-#define PASS_F32(r, first) pass_f32(x, wg, y, r, N, K, m0, g, first)
-        PASSES(M, PASS_F32);
-#undef PASS_F32
-    }
-}
+GROUPS(groups_f32, float, pass_f32)
 
 /* Returns 0, or -1 when the shapes do not fit (the caller then uses oneDNN). */
 int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
