@@ -85,7 +85,7 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", action="store_true", help="also whole decode steps of the default model")
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results"))  # the repo's, from any cwd
     args = parser.parse_args()
     torch.set_num_threads(1)
     report: dict[str, Any] = {}

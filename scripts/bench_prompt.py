@@ -103,7 +103,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results"))  # the repo's, from any cwd
     parser.add_argument("--compile-cache-dir", default="auto")  # as serve: under ~/.cache/bucketserve
     args = parser.parse_args()
     result = run(args.dtype, args.rounds, args.repeats, args.compile_cache_dir)
