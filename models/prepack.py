@@ -80,7 +80,7 @@ from models.native_matmul import (
 class Packed(NamedTuple):
     shape: torch.Size
     onednn: torch.Tensor  # oneDNN's blocked copy (prompt-sized steps)
-    tiles: torch.Tensor | None  # the tile copy (AMX: steps of 2-128 rows; the vector kernel: 1-128), or None
+    tiles: torch.Tensor | None  # the tile copy (AMX: 2-128 rows; vector: 1-128; fp32 vector: 1-32), or None
     int8: tuple[torch.Tensor, torch.Tensor] | None  # --quantize int8: (q, scale) for steps of 1-128 rows, or None
     one: Kernel | None  # what a one-row step reads (native_matmul.packed_linear), or None: oneDNN
     few: Kernel | None  # what steps of 2..few_max rows read, or None: oneDNN
