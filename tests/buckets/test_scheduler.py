@@ -322,15 +322,75 @@ def test_a_long_prompt_at_an_idle_server_takes_solo_steps() -> None:
     assert isinstance(step, MixedStep) and step.tokens == 64 and not step.decode and not step.sampling_seqs
     assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("long", 0, 64)]
     s.update(step, {})
-    step = s.schedule()  # still nothing decodes: the rest of the prompt in one more solo step
-    assert isinstance(step, MixedStep) and step.tokens == 64 and not step.decode
-    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("long", 64, 36)]
+    step = s.schedule()  # still nothing decodes: the other 36 tokens, 32 of them (a 64 would be half padding)
+    assert isinstance(step, MixedStep) and step.tokens == 32 and not step.decode
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("long", 64, 32)]
+    s.update(step, {})
+    step = s.schedule()  # and the last 4 in an 8
+    assert isinstance(step, MixedStep) and step.tokens == 8 and step.padding_tokens == 4
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("long", 96, 4)]
     s.update(step, {"long": 7})
     s.add_many([seq("short", 5), seq("next", 30)])
     step = s.schedule()
     # a row decodes now: the mixed budget of 16 again (1 decoding row + 5 + the first 10 of "next")
     assert isinstance(step, MixedStep) and step.tokens == 16 and len(step.decode) == 1
     assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("short", 0, 5), ("next", 0, 10)]
+
+
+# Token buckets of 8, 16 and 32 with a budget of 32 (the chunk length) while rows decode.
+TRIM = BucketTable(lengths=(8, 32), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1,), context_length=128,
+                   chunked_prefill=True, mixed_tokens=(8, 16, 32))
+
+
+def test_a_mixed_step_stops_at_the_bucket_below_where_its_own_would_be_mostly_padding() -> None:
+    s = Scheduler(TRIM)
+    s.add(seq("a", 5, max_tokens=8))
+    s.update(s.schedule(), {"a": 7})  # "a" decodes
+    s.add(seq("b", 19))
+    step = s.schedule()
+    # 1 row + 19 tokens = 20 would take the 32 bucket: 16 now (1 + 15), b's other 4 + the row in an 8 next
+    assert isinstance(step, MixedStep) and step.tokens == 16 and step.padding_tokens == 0
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("b", 0, 15)]
+    s.update(step, {"a": 7})
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and step.tokens == 8 and [q.request_id for q in step.decode] == ["a"]
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("b", 15, 4)]
+    s.update(step, {"a": 7, "b": 7})
+    s.add(seq("c", 26))
+    step = s.schedule()
+    # 2 rows + 26 = 28: a 16 now would leave 12 + 2 rows for another 16: 32 tokens either way, so one 32 step
+    assert isinstance(step, MixedStep) and step.tokens == 32
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("c", 0, 26)]
+
+
+def test_a_short_prompt_at_an_idle_server_takes_two_mixed_steps_where_they_pad_less_than_its_prefill() -> None:
+    s = Scheduler(TRIM)
+    s.add(seq("a", 18, max_tokens=2))  # its prefill pads to 32; mixed steps of 16 + 8 run 24 tokens
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and step.tokens == 16 and not step.sampling_seqs
+    s.update(step, {})
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and step.tokens == 8
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("a", 16, 2)]
+    assert [q.request_id for q in step.sampling_seqs] == ["a"]
+    s.update(step, {"a": 7})
+    s.update(s.schedule(), {"a": 7})  # a decode step finishes it
+    s.add(seq("b", 28))  # 16 + 16 would run as many tokens as its 32 prefill: the prefill
+    step = s.schedule()
+    assert isinstance(step, PrefillStep) and step.length == 32
+
+
+def test_trimmed_workload_completes_fcfs_with_at_most_one_prompt_cut() -> None:
+    rng = random.Random(3)
+    s = Scheduler(TRIM, max_waiting_requests=1000, max_waiting_tokens=10**6)
+    seqs = [seq(f"r{i}", rng.randint(1, 100), rng.randint(1, 12)) for i in range(60)]
+
+    def check(step: object) -> None:
+        if isinstance(step, MixedStep):
+            assert len(step.decode) + step.prompt_tokens <= step.tokens
+            assert sum(1 for q in s.running.values() if 0 < q.prefilled < q.prompt_len) <= 1
+
+    assert run_all(s, seqs, check) == [q.request_id for q in seqs]
 
 
 def test_short_prompts_at_an_idle_server_keep_their_prefill() -> None:
@@ -369,8 +429,9 @@ def test_waiting_served_ratio_gives_the_solo_budget_when_the_waiting_outnumber_t
         ratio: float, waiting: int, solo: bool) -> None:
     s = Scheduler(SOLO, waiting_served_ratio=ratio)
     step = _one_decoding_row_and(s, [seq(f"w{i}", 40) for i in range(waiting)])
-    if solo:  # the decoding row and as many prompt tokens as the largest token bucket holds
-        assert step.tokens == SOLO.solo_budget == 64 and step.prompt_tokens == min(40 * waiting, 63)
+    if solo:  # the decoding row and as many prompt tokens as the largest token bucket holds (one prompt of 40
+        # and the row would fill 41 of 64: 32 of them now, the rest with the row in a 16 next)
+        assert step.tokens == (64 if waiting > 1 else 32) and step.prompt_tokens == step.tokens - 1
     else:
         assert step.tokens == SOLO.mixed_budget and step.prompt_tokens == 15
 
