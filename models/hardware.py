@@ -1,4 +1,5 @@
-"""What the host offers, read once at start-up: native bfloat16 on this CPU, and how many compute threads to use.
+"""What the host offers, read once at start-up: native bfloat16 on this CPU, how many compute threads to use, and
+how much memory is left (for the weights' extra copies: models/module_swaps.py).
 
 `--dtype auto` picks bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX-BF16: oneDNN then runs bf16
 GEMMs at several times the float32 rate and the weights take half the bytes) and float32 elsewhere, where bf16
@@ -90,3 +91,29 @@ def resolve_compile_workers(requested: int, cores: int | None = None) -> int:
     if requested:
         return requested
     return max(1, min(MAX_COMPILE_WORKERS, usable_cores() if cores is None else cores))
+
+
+def available_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process can still allocate without swapping or an OOM kill: the kernel's MemAvailable, capped by
+    a cgroup v2 memory limit (memory.max less memory.current: a Kubernetes memory limit) where one is set. None
+    where neither can be read (not Linux)."""
+    limits: list[int] = []
+    try:
+        with open(meminfo) as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)  # kB
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(f"{cgroup}/memory.max") as fh:
+            cap = fh.read().strip()
+        with open(f"{cgroup}/memory.current") as fh:
+            used = int(fh.read().strip())
+        if cap != "max":
+            limits.append(max(0, int(cap) - used))
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+

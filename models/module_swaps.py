@@ -13,11 +13,16 @@ import torch
 from models import native, native_matmul
 from models.compile import CompileSettings
 from models.gated_mlp import fuse_gated_mlps
-from models.prepack import prepack
+from models.hardware import available_memory
+from models.prepack import packable_bytes, prepack
 from models.prepack import supported as prepack_supported
 from models.rms_norm import swap_rms_norms
 
 log = logging.getLogger(__name__)
+
+# Left free after the packed copies: activations, the compile workers' start, the HTTP side. (The KV cache is
+# allocated before the swaps, so what it takes is already gone from the available memory.)
+MEMORY_RESERVE = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -45,11 +50,14 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
     if int8 and not (wants_prepack and dtype == torch.bfloat16 and device.type == "cpu"):
         raise ValueError("--quantize int8 needs the CPU, bfloat16, one rank, weight prepacking on and inductor "
                          "freezing off (its int8 copies live beside the prepacked weights)")
-    prepacked = prepack(model, settings.quantize) if wants_prepack and prepack_supported(dtype, device) else 0
+    copies = _copies_that_fit(model) if wants_prepack and prepack_supported(dtype, device) else 0
+    prepacked = prepack(model, settings.quantize, tiles=copies > 1) if copies else 0
     if prepacked:
         third = ""
         if int8:
             third = " and weight-only int8 for steps of 1-128 rows (a third copy, half the bytes of bf16)"
+        elif copies < 2:
+            third = "; no tile copies (memory is short): small steps take oneDNN or the plain weight"
         elif dtype == torch.bfloat16 and native_matmul.amx_available():
             third = " and the AMX matmul (a third)"
         elif dtype == torch.bfloat16 and native_matmul.tiled_available():
@@ -61,3 +69,19 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
     # bf16 RMSNorms of prompt-sized steps in one C call; decode steps keep inductor's.
     norms = swap_rms_norms(model) if prepacked and dtype == torch.bfloat16 and native.available() else 0
     return ModuleSwaps(prepacked, fused, norms)
+
+
+def _copies_that_fit(model: torch.nn.Module, available: int | None = None) -> int:
+    """How many extra copies of the linear weights memory allows, 0-2: oneDNN's packed copy, then the tile copy.
+    Each stays unmade unless it leaves MEMORY_RESERVE free: a model that fits only plainly runs plainly (slower)
+    rather than failing at start-up. (An int8 copy, asked for by name, is made either way.) `available`: tests;
+    else read now."""
+    free = available_memory() if available is None else available
+    if free is None:
+        return 2
+    weights = packable_bytes(model)
+    fits = 2 if 2 * weights + MEMORY_RESERVE <= free else 1 if weights + MEMORY_RESERVE <= free else 0
+    if fits < 2:
+        log.warning("%d MiB available: %s (each copy of the linear weights takes %d MiB)", free >> 20,
+                    "no tile copies" if fits else "no packed copies, plain linears (slower)", weights >> 20)
+    return fits

@@ -40,7 +40,8 @@ of transformers' eager float32 (`bucketserve verify --dtype float32`, the invari
 native RMSNorm in float32 (its native kernels: these matmuls and the attention kernels).
 Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16, 540 in fp32), the
 tile copy a third (and the lm_head's: 57 MB more in bf16 for SmolLM2's tied embeddings, 113 in fp32); the int8
-copy, where it replaces the AMX one, half of the bf16 one.
+copy, where it replaces the AMX one, half of the bf16 one. The runner asks for the copies only where memory holds
+them (models/module_swaps.py): the tile copies go first, then oneDNN's.
 """
 
 from __future__ import annotations
@@ -91,20 +92,21 @@ class Packed(NamedTuple):
         return self.one if rows == 1 else self.few if 1 < rows <= self.few_max else None
 
 
-def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str) -> Packed:
+def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too: bool = True) -> Packed:
     """The copies of `weight` (oneDNN's, and the tile or int8 tile copy) and which kernel each step size reads:
     int8 (1-128 rows) where quantized; with AMX the small matmul for one row and the AMX tiles for 2-128; without,
     the vector matmul on the tile copy for 1-128 (the small matmul for 1-2 where there is no tile copy);
-    float32: the fp32 vector matmul on its fp32 tile copy for 1-32 rows (else the fp32 one-row matmul for one)."""
+    float32: the fp32 vector matmul on its fp32 tile copy for 1-32 rows (else the fp32 one-row matmul for one).
+    Without `tiles_too` (memory is short) no tile copy: the kernels that read the plain weight, else oneDNN."""
     if weight.dtype == torch.float32:
-        f32_tiles = f32_tile_pack(weight)
+        f32_tiles = f32_tile_pack(weight) if tiles_too else None
         if f32_tiles is not None:
             vector32: Kernel = (TILED_F32, f32_tiles.data_ptr(), 0)
             return Packed(weight.shape, onednn, f32_tiles, None, vector32, vector32, TILED_F32_MAX_ROWS)
         one: Kernel | None = (ONE_ROW_F32, weight.data_ptr(), 0) if one_row_f32_takes(weight) else None
         return Packed(weight.shape, onednn, None, None, one, None, 1)
     q8 = int8_pack(weight) if quantize == "int8" else None
-    tiles = tile_pack(weight) if q8 is None else None
+    tiles = tile_pack(weight) if q8 is None and tiles_too else None
     small: Kernel | None = (SMALL, weight.data_ptr(), 0) if small_matmul_takes(weight) else None
     if q8 is not None:
         int8: Kernel = (AMX_INT8, q8[0].data_ptr(), q8[1].data_ptr())
@@ -182,7 +184,7 @@ def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
 
 
-def prepack(model: nn.Module, quantize: str = "none") -> int:
+def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int:
     """Swap every plain nn.Linear of `model` to PrepackedLinear and pack its weight (once: a weight shared by
     two modules, e.g. tied embeddings, or a model prepacked before). Returns how many distinct weights of the
     model now run prepacked. A packed copy lives as long as its weight (dropped when the weight is freed, so
@@ -191,7 +193,10 @@ def prepack(model: nn.Module, quantize: str = "none") -> int:
 
     quantize "int8": weight-only int8 (per output column) in place of the AMX kernel's bf16 copy, read by steps
     of 1-128 rows (decode, the lm_head, prompts and mixed steps of up to 128 tokens): half the bytes the
-    memory-bound steps read. Larger steps keep oneDNN on the bf16 weights. Needs AMX (ValueError otherwise)."""
+    memory-bound steps read. Larger steps keep oneDNN on the bf16 weights. Needs AMX (ValueError otherwise).
+
+    tiles False: no tile copies (memory is short: models/module_swaps.py), so small steps take the kernels that
+    read the plain weight or oneDNN; an int8 copy is made all the same (asked for by name)."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     if quantize == "int8" and not amx_available():
@@ -206,13 +211,21 @@ def prepack(model: nn.Module, quantize: str = "none") -> int:
                 entry = _PACKED.get(key)
                 if entry is None or (quantize == "int8") != (entry.int8 is not None):
                     onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if entry is None else entry.onednn
-                    _PACKED[key] = _packed(weight, onednn, quantize)
+                    _PACKED[key] = _packed(weight, onednn, quantize, tiles)
                     if entry is None:
                         weakref.finalize(module.weight, _forget, key)
             module.__class__ = PrepackedLinear
         if type(module) is PrepackedLinear:
             weights.add(module.weight.data_ptr())
     return len(weights)
+
+
+def packable_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct linear weights `prepack` would copy: what each of its copies costs (the int8 copy
+    half of a bf16 one)."""
+    weights = {m.weight.data_ptr(): m.weight for m in model.modules()
+               if isinstance(m, nn.Linear) and m.weight.dtype in PACKABLE_DTYPES}
+    return sum(w.numel() * w.element_size() for w in weights.values())
 
 
 def _forget(key: int) -> None:

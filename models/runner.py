@@ -61,8 +61,6 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         # Rotary cos/sin looked up by position, not recomputed in every layer of every step (models/rotary_table.py).
         self.rotary_tables = tabulate_rotary(model, table.context_length, self.dtype)
-        swaps = swap_modules(model, compile_settings, tp_size)
-        self.prepacked, self.fused_mlps, self.native_norms = swaps.prepacked, swaps.fused_mlps, swaps.native_norms
         self.storage = SlotStorage(
             model.config,
             max_slots=table.batch_sizes[-1],
@@ -78,6 +76,9 @@ class ModelRunner:
                                    or self.device.type != "cpu" or tp_size > 1):
             # Their attention op runs on the CPU, without sliding windows; under TP no plan carries them.
             raise ValueError("mixed steps need full-attention layers, the CPU and one rank")
+        # After the cache: the weights' extra copies are made only where memory is left for them.
+        swaps = swap_modules(model, compile_settings, tp_size)
+        self.prepacked, self.fused_mlps, self.native_norms = swaps.prepacked, swaps.fused_mlps, swaps.native_norms
         self.keys = list(table.graph_keys())
         self._known = {(k.phase, k.batch, k.length): k for k in self.keys}
         self.warmed: set[tuple[str, int, int]] = set()

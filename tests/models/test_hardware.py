@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from models.hardware import (
+    available_memory,
     cgroup_cpu_quota,
     cpu_flags,
     resolve_compile_workers,
@@ -58,3 +59,20 @@ def test_compile_workers_default_to_the_cores_capped() -> None:
     assert resolve_compile_workers(3, cores=1) == 3
     with pytest.raises(ValueError):
         resolve_compile_workers(-1)
+
+
+def test_available_memory_is_memavailable_capped_by_the_cgroup_limit(tmp_path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
+    cgroup = tmp_path / "cg"
+    cgroup.mkdir()
+    assert available_memory(str(meminfo), str(cgroup)) == 20000000 * 1024  # no cgroup files: MemAvailable
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("1000\n")
+    assert available_memory(str(meminfo), str(cgroup)) == 20000000 * 1024  # no limit
+    (cgroup / "memory.max").write_text(f"{4 << 30}\n")
+    (cgroup / "memory.current").write_text(f"{1 << 30}\n")
+    assert available_memory(str(meminfo), str(cgroup)) == 3 << 30  # a 4 GiB limit with 1 GiB used
+    assert available_memory(str(tmp_path / "none"), str(cgroup)) == 3 << 30
+    assert available_memory(str(tmp_path / "none"), str(tmp_path / "none")) is None
+

@@ -10,13 +10,14 @@ import pytest
 import torch
 from torch import nn
 
+import models.module_swaps as module_swaps
 import models.prepack as prepack_module
 from buckets import BucketTable
 from models import native, native_library, native_matmul
 from models.compile import CompileSettings
 from models.generator import generate_one
 from models.loading import load_model
-from models.prepack import PrepackedLinear, packed_count, prepack, supported
+from models.prepack import PrepackedLinear, packable_bytes, packed_count, packed_for, prepack, supported
 from models.runner import ModelRunner
 from models.sampling import SamplingParams
 
@@ -136,3 +137,30 @@ def test_float32_takes_the_vector_kernel_for_1_to_32_rows_mkl_with_kernels_off_a
     assert torch.equal(torch.ops.bucketserve.linear(one, w, None), nn.functional.linear(one, w))
     torch.ops.bucketserve.linear(rows, w, None)
     assert kernel_calls == [] and onednn_calls == [8]  # kernels off: MKL's matmul for one row, oneDNN for more
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_tile_copies_are_left_out_where_memory_is_short(tiny_llama: str, dtype: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner makes oneDNN's copy and the tile copy only where each leaves MEMORY_RESERVE free (the KV cache
+    already allocated); without the tile copy small steps take oneDNN (or the plain weight) and give the same
+    logits within the kernels' rounding; without room for either the linears stay plain."""
+    weights = packable_bytes(load_model(tiny_llama, dtype, "cpu"))
+    reserve = module_swaps.MEMORY_RESERVE
+    for free, copies in ((2 * weights + reserve, 2), (2 * weights + reserve - 1, 1), (weights + reserve - 1, 0)):
+        monkeypatch.setattr(module_swaps, "available_memory", lambda free=free: free)
+        model = load_model(tiny_llama, dtype, "cpu")
+        runner = ModelRunner(model, TABLE, CompileSettings(backend="dynamo-eager"))
+        linear = next((m for m in model.modules() if isinstance(m, PrepackedLinear)), None)
+        assert (runner.prepacked > 0) == (copies > 0) and (linear is not None) == (copies > 0)
+        if linear is None:
+            continue
+        x = torch.randn(8, linear.weight.shape[1], dtype=linear.weight.dtype)
+        packed = packed_for(linear.weight.detach(), x)
+        assert packed is not None
+        assert (packed.tiles is not None) == (copies == 2 and native.available() and native.has("matmul"))
+        if copies == 1:
+            assert packed.kernel(8) is None  # oneDNN's packed copy
+        atol = 2e-2 if dtype == "bfloat16" else 1e-5
+        torch.testing.assert_close(linear(x), nn.functional.linear(x, linear.weight), rtol=atol, atol=atol)
+
