@@ -12,6 +12,8 @@ Why (measured in docs/performance.md, one thread):
 - Without AMX (AVX512-BF16), 1-128 rows run vector products over the same tile copy (tiled_matmul.c: each tile
   row is 16 columns' weight pairs, one dot product against a broadcast input pair; the stream prefetched into
   L2): on an AMD EPYC 1.3x the small matmul at one row and 1.4-2x oneDNN at 1-16 rows.
+- Weight-only int8 (`--quantize int8`), 1-128 rows: AMX or the vector products read an int8 tile copy, converting
+  it to bf16 as they go (half the bytes).
 - float32, 1-32 rows: the same scheme with FMAs on a fp32 tile copy (AMD EPYC: one row 1.24x the plain-weight
   one-row matmul of small_matmul.c, itself ~1.5x MKL's sgemv; 8 rows 1.8x oneDNN); oneDNN for more rows.
 Shapes a kernel does not take, and machines without the kernels, use oneDNN (and MKL for one fp32 row).
@@ -44,9 +46,9 @@ TILED_F32_MAX_ROWS = 32
 # (kind, weight copy's address, scales' address or 0): what linear.c's entries read. kind 0: the small matmul on
 # the plain weight; 1: the AMX matmul on the tile copy (tile_pack); 2: the int8 tile copy and its scales (int8_pack);
 # 3: the float32 one-row matmul on the plain fp32 weight; 4: the vector matmul on the tile copy (no AMX); 5: the fp32
-# vector matmul on the fp32 tile copy (f32_tile_pack)
+# vector matmul on the fp32 tile copy (f32_tile_pack); 6: the vector matmul on the int8 tile copy and its scales (no AMX)
 Kernel = tuple[int, int, int]
-SMALL, AMX, AMX_INT8, ONE_ROW_F32, TILED, TILED_F32 = 0, 1, 2, 3, 4, 5
+SMALL, AMX, AMX_INT8, ONE_ROW_F32, TILED, TILED_F32, TILED_INT8 = 0, 1, 2, 3, 4, 5, 6
 
 
 def small_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -180,8 +182,9 @@ def packed_gated(x: torch.Tensor, gate: Kernel, up: Kernel, n: int) -> torch.Ten
 def int8_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """weight [N, K] bf16 -> (q, scale): its weight-only int8 quantization, per output column (symmetric:
     scale [N] fp32 = max |w[n]| / 127, q = round(w / scale) in [-127, 127]), q in tile_pack's layout (one byte an
-    element); None where the AMX kernel cannot read it. w ~ q * scale to half a step (scale / 2) per element."""
-    if not _tiles_take(weight, amx_available()):
+    element); None where neither int8 kernel (AMX's, or the vector one without AMX) can read it. w ~ q * scale to
+    half a step (scale / 2) per element."""
+    if not _tiles_take(weight, amx_available() or tiled_available()):
         return None
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
@@ -192,15 +195,20 @@ def int8_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 def int8_matmul(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
                 ) -> torch.Tensor | None:
     """rows [M, K] bf16 @ (q * scale).T (+ bias [N]) -> [M, N] bf16 for 1 <= M <= AMX_MAX_ROWS, from int8_pack's
-    pair (the AMX kernel converts the int8 tiles to bf16 as it reads them, and scales each column's fp32 sum
-    before the one rounding); None when the kernel does not take these inputs."""
+    pair (the AMX kernel, or without AMX the vector one, converts the int8 weights to bf16 as it reads them, and
+    scales each column's fp32 sum before the one rounding); None when no kernel takes these inputs."""
     m, k = rows.shape
     n = q.shape[0] * 32 if q.dim() == 6 else 0
     if (not 1 <= m <= AMX_MAX_ROWS or rows.dtype != torch.bfloat16 or q.dtype != torch.int8 or not n
             or q.shape[1] * 32 != k or not q.is_contiguous() or scale.dtype != torch.float32
-            or scale.shape != (n,) or not scale.is_contiguous() or not amx_available()):
+            or scale.shape != (n,) or not scale.is_contiguous() or not int8_kind()):
         return None
-    return _checked(rows, (AMX_INT8, q.data_ptr(), scale.data_ptr()), n, bias)
+    return _checked(rows, (int8_kind(), q.data_ptr(), scale.data_ptr()), n, bias)
+
+
+def int8_kind() -> int:
+    """The kernel that reads int8 copies here: AMX_INT8, TILED_INT8 without AMX, or 0 where neither runs."""
+    return AMX_INT8 if amx_available() else TILED_INT8 if tiled_available() else 0
 
 
 def _checked(rows: torch.Tensor, kernel: Kernel, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:

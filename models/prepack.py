@@ -19,10 +19,10 @@ small matmul. Larger steps (prompts) stay with oneDNN. Which kernel and copy eac
 (`Packed.kernel`), and the op calls it through one lean C entry
 (models/csrc/linear.c): the per-call Python of choosing and checking cost ~2 us of a ~10 us one-row linear.
 
-With `--quantize int8` the AMX copy is replaced by a weight-only int8 one (per output column, symmetric), which
-steps of 1-128 rows read instead (one row included): decode is bound by reading the weights, and int8 halves them.
-Steps of more rows (prompt pieces of 256 tokens) keep oneDNN on the bf16 weight, so prompts are prefilled at bf16
-precision and the tokens that follow are computed with the int8 weights.
+With `--quantize int8` the tile copy is replaced by a weight-only int8 one (per output column, symmetric), which
+steps of 1-128 rows read instead (one row included; the AMX kernel, or the vector one without AMX): decode is bound
+by reading the weights, and int8 halves them. Steps of more rows (prompt pieces of 256 tokens) keep oneDNN on the
+bf16 weight, so prompts are prefilled at bf16 precision and the tokens that follow are computed with the int8 weights.
 
 Numerics: the same oneDNN bf16 kernel with fp32 accumulation as the plain path (outputs agree to the bf16
 rounding; the small-row kernel sums in another order, also in fp32).
@@ -58,7 +58,6 @@ from models import native
 from models.compile import QUANTIZE_MODES
 from models.native_matmul import (
     AMX,
-    AMX_INT8,
     AMX_MAX_ROWS,
     ONE_ROW_F32,
     SMALL,
@@ -70,6 +69,7 @@ from models.native_matmul import (
     Kernel,
     amx_available,
     f32_tile_pack,
+    int8_kind,
     int8_pack,
     one_row_f32_takes,
     packed_linear,
@@ -109,7 +109,7 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too
     tiles = tile_pack(weight) if q8 is None and tiles_too else None
     small: Kernel | None = (SMALL, weight.data_ptr(), 0) if small_matmul_takes(weight) else None
     if q8 is not None:
-        int8: Kernel = (AMX_INT8, q8[0].data_ptr(), q8[1].data_ptr())
+        int8: Kernel = (int8_kind(), q8[0].data_ptr(), q8[1].data_ptr())
         return Packed(weight.shape, onednn, None, q8, int8, int8, AMX_MAX_ROWS)
     if tiles is not None and amx_available():
         amx: Kernel = (AMX, tiles.data_ptr(), 0)
@@ -193,15 +193,16 @@ def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int
 
     quantize "int8": weight-only int8 (per output column) in place of the AMX kernel's bf16 copy, read by steps
     of 1-128 rows (decode, the lm_head, prompts and mixed steps of up to 128 tokens): half the bytes the
-    memory-bound steps read. Larger steps keep oneDNN on the bf16 weights. Needs AMX (ValueError otherwise).
+    memory-bound steps read. Larger steps keep oneDNN on the bf16 weights. Needs AMX or AVX512-BF16 (ValueError
+    otherwise).
 
     tiles False: no tile copies (memory is short: models/module_swaps.py), so small steps take the kernels that
     read the plain weight or oneDNN; an int8 copy is made all the same (asked for by name)."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
-    if quantize == "int8" and not amx_available():
-        raise ValueError("--quantize int8 needs a CPU with AMX (and the native kernels on): its matmul converts "
-                         "int8 tiles for AMX's bf16 products")
+    if quantize == "int8" and not int8_kind():
+        raise ValueError("--quantize int8 needs a CPU with AMX or AVX512-BF16 (and the native kernels on): its "
+                         "matmul converts the int8 weights for bf16 products")
     weights: set[int] = set()
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES:

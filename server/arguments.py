@@ -46,7 +46,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "one launch a step instead of one a kernel (default off)")
     parser.add_argument("--quantize", default=d.quantize, choices=list(QUANTIZE_MODES),
                         help="int8: steps of 1-128 rows (decode) read weight-only int8 copies of the linears, per "
-                             "output channel (CPU bfloat16 with AMX; prompts of more tokens keep bf16)")
+                             "output channel (CPU bfloat16 with AMX or AVX512-BF16; prompts of more tokens keep bf16)")
     parser.add_argument("--buckets", type=parse_sizes, default=d.buckets, help="prompt-length buckets, e.g. 64,128,256")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=d.batch_sizes, help="decode batch buckets")
     parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=d.prefill_batch_sizes)

@@ -47,7 +47,7 @@ class ServerSettings:
     mixed_steps: bool = True
     native_kernels: bool = True
     cuda_graphs: bool = False  # --device cuda with inductor: replay each step as CUDA graphs
-    # Weight-only int8 for the memory-bound steps (CPU bfloat16 with AMX): "none" | "int8".
+    # Weight-only int8 for the memory-bound steps (CPU bfloat16 with AMX or AVX512-BF16): "none" | "int8".
     quantize: str = "none"
     # Prompt-length buckets; () -> powers of two from 32 (CPU) or 64 up to the chunk length (or max_model_len).
     buckets: tuple[int, ...] = ()
@@ -132,7 +132,7 @@ class ServerSettings:
                                         or self.tensor_parallel_size > 1):
             raise SettingsError("--quantize int8 needs --device cpu, a bfloat16 dtype, --weight-prepack, "
                                 "--native-kernels, no --inductor-freezing and one rank (its int8 matmul is a CPU "
-                                "AMX kernel beside the prepacked weights)")
+                                "kernel, AMX or AVX512-BF16, beside the prepacked weights)")
 
     def check_cuda_graphs(self) -> None:
         """Raise SettingsError when --cuda-graphs is asked for off CUDA or without inductor (checked where an engine

@@ -6,7 +6,8 @@
  * kind: 0 the small matmul on the plain weight [N, K]; 1 the AMX matmul on its tile copy; 2 the AMX matmul on
  * the int8 tile copy with per-column scales `s`; 3 the float32 one-row matmul on the plain fp32 weight (x and y
  * fp32; the others read and write bf16); 4 the AVX512-BF16 vector matmul on the tile copy (CPUs without AMX); 5 the
- * float32 vector matmul on the fp32 tile copy (x and y fp32). */
+ * float32 vector matmul on the fp32 tile copy (x and y fp32); 6 the vector matmul on the int8 tile copy with
+ * per-column scales `s` (CPUs without AMX). */
 #include "vec16.h"
 
 int bucketserve_small_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
@@ -21,6 +22,8 @@ int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64
                                  int threads);
 int bucketserve_amx_matmul_q8(const uint16_t *x, const int8_t *q, const float *scale, uint16_t *y, int64_t M,
                               int64_t N, int64_t K, int threads);
+int bucketserve_tiled_matmul_q8(const uint16_t *x, const int8_t *q, const float *scale, uint16_t *y, int64_t M,
+                                int64_t N, int64_t K, int threads);
 
 /* y [M, N] = x [M, K] @ w.T. Returns 0, or -1 when the kernel does not take the shapes (the caller uses oneDNN). */
 int bucketserve_linear(const void *x, const void *w, const float *s, void *y, int64_t M, int64_t N, int64_t K,
@@ -32,6 +35,7 @@ int bucketserve_linear(const void *x, const void *w, const float *s, void *y, in
     case 3: return bucketserve_small_matmul_f32(x, (const float *)w, y, M, N, K, threads);
     case 4: return bucketserve_tiled_matmul_bf16(x, (const uint16_t *)w, y, M, N, K, threads);
     case 5: return bucketserve_tiled_matmul_f32(x, (const float *)w, y, M, N, K, threads);
+    case 6: return bucketserve_tiled_matmul_q8(x, (const int8_t *)w, s, y, M, N, K, threads);
     default: return -1;
     }
 }

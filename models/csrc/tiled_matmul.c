@@ -25,7 +25,14 @@
  * same way (538 MB of fp32 weights): 1 row 20.8 ms (the plain-weight one-row kernel, small_matmul.c, 25.8; MKL's
  * sgemv ~47), 8 rows 22.0 (oneDNN 39.2), 16 rows 43.3 (54.3), 32 rows 82 (98), 64 even, 128 slower (327 vs 316).
  * Each output's sum runs in k order in fp32, as a plain dot product does; MKL and oneDNN sum in other orders.
+ *
+ * Weight-only int8 (`--quantize int8` without AMX): the same layout with one signed byte an element (a tile row is
+ * 32 bytes) and a fp32 scale per output column (amx_matmul.c's int8 copy). Each row's 32 bytes become the 32 bf16 a
+ * bf16 row would hold (exact: |q| <= 127): sign-extended to int32, converted to fp32, rounded in pairs to bf16
+ * (five instructions a vector, against the dot products of up to 12 rows); each column's fp32 sum is scaled before
+ * the one rounding to bf16. Half the bytes of bf16 stream from memory.
  */
+#include <stddef.h>
 #include <stdint.h>
 
 #define MAX_BLOCK 12 /* input rows a pass keeps in registers: 24 accumulators + 2 weight vectors + a broadcast */
@@ -34,29 +41,31 @@
 
 /* Column groups [g0, g1) (each K * 32 weights of w, from g * K * 32): for each group, the M input rows in passes
  * of at most MAX_BLOCK rows, as equal as possible (13 rows: 6 + 7, not 12 + 1: a pass of few rows is bound by its
- * dot products' latency). PASS(x, wg, y, r, N, K, m0, g, first) is a pass of constant r rows (the accumulators stay
- * in registers); `first` for the group's first pass, the one that reads it from memory. */
-#define GROUPS(NAME, T, PASS)                                                                                        \
-    static void NAME(const T *x, const T *w, T *y, int64_t M, int64_t N, int64_t K, int64_t g0, int64_t g1) {        \
+ * dot products' latency). PASS(x, wg, scale, y, r, N, K, m0, g, first) is a pass of constant r rows (the
+ * accumulators stay in registers); `first` for the group's first pass, the one that reads it from memory; scale:
+ * the int8 weight's column scales (NULL for the others). */
+#define GROUPS(NAME, T, TW, PASS)                                                                                    \
+    static void NAME(const T *x, const TW *w, const float *scale, T *y, int64_t M, int64_t N, int64_t K, int64_t g0, \
+                     int64_t g1) {                                                                                   \
         const int64_t passes = (M + MAX_BLOCK - 1) / MAX_BLOCK;                                                      \
         for (int64_t g = g0; g < g1; g++) {                                                                          \
-            const T *wg = w + g * K * 32;                                                                            \
+            const TW *wg = w + g * K * 32;                                                                           \
             for (int64_t p = 0, m0 = 0; p < passes; p++) {                                                           \
                 const int64_t rows = (M - m0) / (passes - p);                                                        \
                 const int first = p == 0;                                                                            \
                 switch (rows) {                                                                                      \
-                case 1: PASS(x, wg, y, 1, N, K, m0, g, first); break;                                                \
-                case 2: PASS(x, wg, y, 2, N, K, m0, g, first); break;                                                \
-                case 3: PASS(x, wg, y, 3, N, K, m0, g, first); break;                                                \
-                case 4: PASS(x, wg, y, 4, N, K, m0, g, first); break;                                                \
-                case 5: PASS(x, wg, y, 5, N, K, m0, g, first); break;                                                \
-                case 6: PASS(x, wg, y, 6, N, K, m0, g, first); break;                                                \
-                case 7: PASS(x, wg, y, 7, N, K, m0, g, first); break;                                                \
-                case 8: PASS(x, wg, y, 8, N, K, m0, g, first); break;                                                \
-                case 9: PASS(x, wg, y, 9, N, K, m0, g, first); break;                                                \
-                case 10: PASS(x, wg, y, 10, N, K, m0, g, first); break;                                              \
-                case 11: PASS(x, wg, y, 11, N, K, m0, g, first); break;                                              \
-                default: PASS(x, wg, y, MAX_BLOCK, N, K, m0, g, first); break;                                       \
+                case 1: PASS(x, wg, scale, y, 1, N, K, m0, g, first); break;                                                \
+                case 2: PASS(x, wg, scale, y, 2, N, K, m0, g, first); break;                                                \
+                case 3: PASS(x, wg, scale, y, 3, N, K, m0, g, first); break;                                                \
+                case 4: PASS(x, wg, scale, y, 4, N, K, m0, g, first); break;                                                \
+                case 5: PASS(x, wg, scale, y, 5, N, K, m0, g, first); break;                                                \
+                case 6: PASS(x, wg, scale, y, 6, N, K, m0, g, first); break;                                                \
+                case 7: PASS(x, wg, scale, y, 7, N, K, m0, g, first); break;                                                \
+                case 8: PASS(x, wg, scale, y, 8, N, K, m0, g, first); break;                                                \
+                case 9: PASS(x, wg, scale, y, 9, N, K, m0, g, first); break;                                                \
+                case 10: PASS(x, wg, scale, y, 10, N, K, m0, g, first); break;                                              \
+                case 11: PASS(x, wg, scale, y, 11, N, K, m0, g, first); break;                                              \
+                default: PASS(x, wg, scale, y, MAX_BLOCK, N, K, m0, g, first); break;                                       \
                 }                                                                                                    \
                 m0 += rows;                                                                                          \
             }                                                                                                        \
@@ -69,9 +78,10 @@
 /* Output columns [32g, 32g + 32) of input rows [m0, m0 + rows): the group's tiles wg, read from memory by the
  * first pass over the group (prefetch set: it asks AHEAD blocks ahead) and from L2 by the passes after it.
  * Inlined with constant `rows`: the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void pass(const uint16_t *x, const uint16_t *wg, uint16_t *y,
-                                                      const int rows, const int64_t N, const int64_t K,
+static inline __attribute__((always_inline)) void pass(const uint16_t *x, const uint16_t *wg, const float *scale,
+                                                      uint16_t *y, const int rows, const int64_t N, const int64_t K,
                                                       const int64_t m0, const int64_t g, const int prefetch) {
+    (void)scale;
     __m512 acc[MAX_BLOCK][2];
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     const uint16_t *xr = x + m0 * K;
@@ -100,12 +110,55 @@ static inline __attribute__((always_inline)) void pass(const uint16_t *x, const 
     }
 }
 
-GROUPS(groups, uint16_t, pass)
+GROUPS(groups, uint16_t, uint16_t, pass)
+
+/* 32 int8 weights (a tile row: 16 columns' pairs) -> the same 32 as bf16 pairs, in place order. */
+static inline __m512bh int8_row(const int8_t *src) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo); /* lo's 16 first */
+}
+
+/* int8: as pass(), from the group's int8 tiles wg (1 KiB a k block), each column's sum times its scale. */
+static inline __attribute__((always_inline)) void pass_q8(const uint16_t *x, const int8_t *wg, const float *scale,
+                                                         uint16_t *y, const int rows, const int64_t N, const int64_t K,
+                                                         const int64_t m0, const int64_t g, const int prefetch) {
+    __m512 acc[MAX_BLOCK][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    const uint16_t *xr = x + m0 * K;
+    for (int64_t b = 0; b < K / 32; b++) {
+        const int8_t *t = wg + b * 1024; /* tile 0 at t, tile 1 at t + 512; row r at + 32 r */
+        for (int r = 0; r < 16; r++) {
+            if (prefetch && !(r & 1)) { /* two rows a cache line */
+                _mm_prefetch((const char *)(t + 2 * AHEAD * 1024 + r * 32), _MM_HINT_T1);
+                _mm_prefetch((const char *)(t + 2 * AHEAD * 1024 + 512 + r * 32), _MM_HINT_T1);
+            }
+            const __m512bh w0 = int8_row(t + r * 32);
+            const __m512bh w1 = int8_row(t + 512 + r * 32);
+            for (int m = 0; m < rows; m++) {
+                int32_t pair;
+                __builtin_memcpy(&pair, xr + m * K + b * 32 + 2 * r, sizeof pair);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+            }
+        }
+    }
+    const __m512 s0 = _mm512_loadu_ps(scale + g * 32), s1 = _mm512_loadu_ps(scale + g * 32 + 16);
+    for (int m = 0; m < rows; m++) {
+        uint16_t *out = y + (m0 + m) * N + g * 32;
+        _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[m][0], s0)));
+        _mm256_storeu_si256((__m256i *)(out + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[m][1], s1)));
+    }
+}
+
+GROUPS(groups_q8, uint16_t, int8_t, pass_q8)
 
 /* float32: output columns [32g, 32g + 32) of input rows [m0, m0 + rows) from the group's [K, 32] weights wg. */
-static inline __attribute__((always_inline)) void pass_f32(const float *x, const float *wg, float *y, const int rows,
-                                                          const int64_t N, const int64_t K, const int64_t m0,
-                                                          const int64_t g, const int prefetch) {
+static inline __attribute__((always_inline)) void pass_f32(const float *x, const float *wg, const float *scale,
+                                                          float *y, const int rows, const int64_t N, const int64_t K,
+                                                          const int64_t m0, const int64_t g, const int prefetch) {
+    (void)scale;
     __m512 acc[MAX_BLOCK][2];
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     const float *xr = x + m0 * K;
@@ -128,7 +181,7 @@ static inline __attribute__((always_inline)) void pass_f32(const float *x, const
     }
 }
 
-GROUPS(groups_f32, float, pass_f32)
+GROUPS(groups_f32, float, float, pass_f32)
 
 /* Returns 0, or -1 when the shapes do not fit (the caller then uses oneDNN). */
 int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
@@ -136,7 +189,19 @@ int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t
     if (M < 1 || K < 32 || K % 32 || N < 32 || N % 32) return -1;
     const int64_t count = N / 32;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int t = 0; t < threads; t++) groups(x, w, y, M, N, K, count * t / threads, count * (t + 1) / threads);
+    for (int t = 0; t < threads; t++) groups(x, w, NULL, y, M, N, K, count * t / threads, count * (t + 1) / threads);
+    return 0;
+}
+
+/* y [M, N] = (x [M, K] @ q.T) * scale: q the int8 copy (one byte an element of the bf16 layout), scale [N] fp32.
+ * Returns 0, or -1 when the shapes do not fit. */
+int bucketserve_tiled_matmul_q8(const uint16_t *x, const int8_t *q, const float *scale, uint16_t *y, int64_t M,
+                                int64_t N, int64_t K, int threads) {
+    if (M < 1 || K < 32 || K % 32 || N < 32 || N % 32) return -1;
+    const int64_t count = N / 32;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int t = 0; t < threads; t++)
+        groups_q8(x, q, scale, y, M, N, K, count * t / threads, count * (t + 1) / threads);
     return 0;
 }
 
@@ -146,7 +211,8 @@ int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64
     if (M < 1 || K < 1 || N < 32 || N % 32) return -1;
     const int64_t count = N / 32;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int t = 0; t < threads; t++) groups_f32(x, w, y, M, N, K, count * t / threads, count * (t + 1) / threads);
+    for (int t = 0; t < threads; t++)
+        groups_f32(x, w, NULL, y, M, N, K, count * t / threads, count * (t + 1) / threads);
     return 0;
 }
 #else
@@ -159,6 +225,12 @@ int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t
 int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                                  int threads) {
     (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)threads;
+    return -1;
+}
+
+int bucketserve_tiled_matmul_q8(const uint16_t *x, const int8_t *q, const float *scale, uint16_t *y, int64_t M,
+                                int64_t N, int64_t K, int threads) {
+    (void)x, (void)q, (void)scale, (void)y, (void)M, (void)N, (void)K, (void)threads;
     return -1;
 }
 #endif

@@ -1,7 +1,7 @@
 """Weight-only int8 (`--quantize int8`, models/native_matmul.py int8_pack / int8_matmul, routed by models/prepack.py):
-the packed copy holds each weight's rounding to its column's int8 grid, the AMX kernel equals a float32 matmul of
-that dequantized weight, steps of 1-128 rows read it and larger ones keep oneDNN's bf16, and a quantized runner
-serves with logits close to bf16's."""
+the packed copy holds each weight's rounding to its column's int8 grid, the int8 kernel (AMX's, or the vector one
+without AMX) equals a float32 matmul of that dequantized weight, steps of 1-128 rows read it and larger ones keep
+oneDNN's bf16, and a quantized runner serves with logits close to bf16's."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from models.sampling import SamplingParams
 
 
 @pytest.fixture(autouse=True)
-def _amx() -> None:
-    if not native_matmul.amx_available():
-        pytest.skip("no AMX on this CPU (or Linux does not grant the tile state)")
+def _int8_kernel() -> None:
+    if not native_matmul.int8_kind():
+        pytest.skip("neither AMX nor AVX512-BF16 on this CPU: no int8 kernel")
 
 
 @pytest.fixture(params=[1, 2])
@@ -102,14 +102,14 @@ def test_quantized_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     from models.prepack import _PACKED
 
     entry = _PACKED[layer.weight.data_ptr()]
-    assert entry.int8 is not None and entry.amx is None  # the int8 copy replaces the bf16 AMX copy
+    assert entry.int8 is not None and entry.tiles is None  # the int8 copy replaces the bf16 tile copy
     deq = _dequantized(*entry.int8)
     taken: list[int] = []
     real = native_matmul.packed_linear
 
     def counted(x: torch.Tensor, kernel: native_matmul.Kernel, n: int) -> torch.Tensor | None:
         out = real(x, kernel, n)
-        if out is not None and kernel[0] == native_matmul.AMX_INT8:
+        if out is not None and kernel[0] == native_matmul.int8_kind():
             taken.append(x.numel() // x.shape[-1])
         return out
 

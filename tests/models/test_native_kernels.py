@@ -240,7 +240,8 @@ def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def _counting(taken: list[tuple[str, int]]) -> Callable[[torch.Tensor, native_matmul.Kernel, int], torch.Tensor | None]:
     """packed_linear, recording (kernel name, rows) of each call a kernel of ours took."""
-    names = {native_matmul.SMALL: "small", native_matmul.AMX: "amx", native_matmul.AMX_INT8: "int8", native_matmul.TILED: "tiled"}
+    names = {native_matmul.SMALL: "small", native_matmul.AMX: "amx", native_matmul.AMX_INT8: "int8",
+             native_matmul.TILED: "tiled", native_matmul.TILED_INT8: "int8"}
     real = native_matmul.packed_linear
 
     def counted(x: torch.Tensor, kernel: native_matmul.Kernel, n: int) -> torch.Tensor | None:
