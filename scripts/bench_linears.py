@@ -4,8 +4,9 @@ output head), random weights, through each kernel that can run them here, at a f
     python scripts/bench_linears.py [--dtype bfloat16|float32] [--rows 1,2,4,8,16,64] [--reps 7]
 
 Prints, per row count, the median ms of the whole set for: oneDNN on its packed copy; the vector matmul on the tile
-copy (tiled_matmul.c); and where they apply the small matmul (bf16, 1-4 rows) and the one-row fp32 kernel
-(small_matmul.c) on the plain weight. Kernel calls go straight to the C entry (models/native_matmul.packed_linear), as
+copy (tiled_matmul.c); in bf16 the int8 kernel on the weights' int8 copy (`--quantize int8`: AMX's, or the vector
+one); and where they apply the small matmul (bf16, 1-4 rows) and the one-row fp32 kernel (small_matmul.c) on the
+plain weight. Kernel calls go straight to the C entry (models/native_matmul.packed_linear), as
 the linear op makes them.
 """
 
@@ -35,7 +36,8 @@ def _median_ms(run: Callable[[], None], reps: int) -> float:
 
 
 def _row_count(rows: int, dtype: torch.dtype, weights: list[torch.Tensor], onednn: list[torch.Tensor],
-               tiles: list[torch.Tensor], reps: int) -> dict[str, float]:
+               tiles: list[torch.Tensor], int8: list[tuple[torch.Tensor, torch.Tensor]], reps: int
+               ) -> dict[str, float]:
     """Median ms of the whole set at `rows` input rows, per kernel that takes them."""
     f32 = dtype == torch.float32
     inputs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
@@ -44,8 +46,9 @@ def _row_count(rows: int, dtype: torch.dtype, weights: list[torch.Tensor], onedn
         for (_, k), w in zip(SHAPES, onednn):
             torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
 
-    def kernel(kind: int, copies: list[torch.Tensor]) -> Callable[[], None]:
-        calls = [(inputs[k], (kind, c.data_ptr(), 0), n) for (n, k), c in zip(SHAPES, copies)]
+    def kernel(kind: int, copies: list[torch.Tensor], scales: list[torch.Tensor] | None = None) -> Callable[[], None]:
+        calls = [(inputs[k], (kind, c.data_ptr(), scales[i].data_ptr() if scales else 0), n)
+                 for i, ((n, k), c) in enumerate(zip(SHAPES, copies))]
 
         def run() -> None:
             for x, chosen, n in calls:
@@ -57,6 +60,9 @@ def _row_count(rows: int, dtype: torch.dtype, weights: list[torch.Tensor], onedn
     result = {"oneDNN": _median_ms(dnn, reps)}
     if rows <= (native_matmul.TILED_F32_MAX_ROWS if f32 else native_matmul.TILED_MAX_ROWS):
         result["tiled"] = _median_ms(kernel(native_matmul.TILED_F32 if f32 else native_matmul.TILED, tiles), reps)
+    if int8 and rows <= native_matmul.TILED_MAX_ROWS:
+        result["int8"] = _median_ms(kernel(native_matmul.int8_kind(), [q for q, _ in int8], [s for _, s in int8]),
+                                    reps)
     if f32 and rows == 1:
         result["one-row fp32"] = _median_ms(kernel(native_matmul.ONE_ROW_F32, weights), reps)
     if not f32 and rows <= native_matmul.SMALL_MATMUL_MAX_ROWS:
@@ -78,10 +84,12 @@ def main() -> None:
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     packed = [native_matmul.f32_tile_pack(w) if dtype == torch.float32 else native_matmul._tiled(w) for w in weights]
     tiles = [t for t in packed if t is not None]
+    quantized = [native_matmul.int8_pack(w) for w in weights] if dtype == torch.bfloat16 else []
+    int8 = [q for q in quantized if q is not None] if all(q is not None for q in quantized) else []
     print(f"{args.dtype}, 211 weights ({sum(w.numel() * w.element_size() for w in weights) / 1e6:.0f} MB), "
           f"median ms of {args.reps}", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
-        result = _row_count(rows, dtype, weights, onednn, tiles, args.reps)
+        result = _row_count(rows, dtype, weights, onednn, tiles, int8, args.reps)
         print(f"rows {rows:4d}: " + ", ".join(f"{name} {ms:.1f}" for name, ms in result.items()), flush=True)
 
 
