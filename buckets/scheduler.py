@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from buckets.steps import ChunkStep, DecodeStep, MixedStep, Piece, PrefillStep, Sequence, Step
 from buckets.table import BucketTable
@@ -237,7 +238,7 @@ class Scheduler:
         big = not decode or (ratio > 0 and startable >= ratio * len(decode))
         total = self.table.solo_budget if big else self.table.mixed_budget
         prompt = (chunking.prompt_len - chunking.prefilled if chunking is not None else 0) \
-            + sum(seq.prompt_len for seq in list(self.waiting)[: len(free)])
+            + sum(seq.prompt_len for seq in islice(self.waiting, len(free)))  # what can start: free slots
         total = self._trimmed(min(total, len(decode) + prompt), len(decode))
         budget = total - len(decode)
         pieces: list[Piece] = []

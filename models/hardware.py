@@ -116,4 +116,3 @@ def available_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgro
     except (OSError, ValueError):
         pass
     return min(limits) if limits else None
-

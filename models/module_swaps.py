@@ -71,12 +71,11 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
     return ModuleSwaps(prepacked, fused, norms)
 
 
-def _copies_that_fit(model: torch.nn.Module, available: int | None = None) -> int:
+def _copies_that_fit(model: torch.nn.Module) -> int:
     """How many extra copies of the linear weights memory allows, 0-2: oneDNN's packed copy, then the tile copy.
     Each stays unmade unless it leaves MEMORY_RESERVE free: a model that fits only plainly runs plainly (slower)
-    rather than failing at start-up. (An int8 copy, asked for by name, is made either way.) `available`: tests;
-    else read now."""
-    free = available_memory() if available is None else available
+    rather than failing at start-up. (An int8 copy, asked for by name, is made either way.)"""
+    free = available_memory()
     if free is None:
         return 2
     weights = packable_bytes(model)

@@ -41,7 +41,7 @@ native RMSNorm in float32 (its native kernels: these matmuls and the attention k
 Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16, 540 in fp32), the
 tile copy a third (and the lm_head's: 57 MB more in bf16 for SmolLM2's tied embeddings, 113 in fp32); the int8
 copy, where it replaces the AMX one, half of the bf16 one. The runner asks for the copies only where memory holds
-them (models/module_swaps.py): the tile copies go first, then oneDNN's.
+them (models/module_swaps.py): where it is short the tile copy is left out first, then oneDNN's.
 """
 
 from __future__ import annotations
