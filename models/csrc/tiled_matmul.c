@@ -74,25 +74,36 @@
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
-/* Output columns [32g, 32g + 32) of input rows [m0, m0 + rows): the group's tiles wg, read from memory by the
- * first pass over the group (prefetch set: it asks AHEAD blocks ahead) and from L2 by the passes after it.
- * Inlined with constant `rows`: the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void pass(const uint16_t *x, const uint16_t *wg, const float *scale,
-                                                      uint16_t *y, const int rows, const int64_t N, const int64_t K,
-                                                      const int64_t m0, const int64_t g, const int prefetch) {
-    (void)scale;
+/* 32 int8 weights (a tile row: 16 columns' pairs) -> the same 32 as bf16 pairs, in place order. */
+static inline __m512bh int8_row(const int8_t *src) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo); /* lo's 16 first */
+}
+
+/* Output columns [32g, 32g + 32) of input rows [m0, m0 + rows): the group's tiles wg (bf16, or with q8 int8:
+ * converted as read, each column's sum times its scale), read from memory by the first pass over the group
+ * (prefetch set: it asks 8 KiB ahead) and from L2 by the passes after it. Inlined with constant `rows` and `q8`:
+ * the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void pass_of(const uint16_t *x, const void *wg, const float *scale,
+                                                         uint16_t *y, const int rows, const int64_t N, const int64_t K,
+                                                         const int64_t m0, const int64_t g, const int prefetch,
+                                                         const int q8) {
+    const int64_t row_bytes = q8 ? 32 : 64; /* a tile row: 16 columns x 2 k */
     __m512 acc[MAX_BLOCK][2];
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     const uint16_t *xr = x + m0 * K;
     for (int64_t b = 0; b < K / 32; b++) {
-        const uint16_t *t = wg + b * 1024; /* tile 0 at t, tile 1 at t + 512; row r at + 32 r */
+        const char *t = (const char *)wg + b * 32 * row_bytes; /* tile 0 at t, tile 1 16 rows on */
         for (int r = 0; r < 16; r++) {
-            if (prefetch) { /* past the weight's end near its last group: a prefetch never faults */
-                _mm_prefetch((const char *)(t + AHEAD * 1024 + r * 32), _MM_HINT_T1);
-                _mm_prefetch((const char *)(t + AHEAD * 1024 + 512 + r * 32), _MM_HINT_T1);
+            const char *r0 = t + r * row_bytes, *r1 = r0 + 16 * row_bytes;
+            if (prefetch && (!q8 || !(r & 1))) { /* a cache line at a time; past the end near the last group: a
+                                                     prefetch never faults */
+                _mm_prefetch(r0 + AHEAD * 2048, _MM_HINT_T1);
+                _mm_prefetch(r1 + AHEAD * 2048, _MM_HINT_T1);
             }
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t + r * 32);
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(t + 512 + r * 32);
+            const __m512bh w0 = q8 ? int8_row((const int8_t *)r0) : (__m512bh)_mm512_loadu_si512(r0);
+            const __m512bh w1 = q8 ? int8_row((const int8_t *)r1) : (__m512bh)_mm512_loadu_si512(r1);
             for (int m = 0; m < rows; m++) {
                 int32_t pair; /* x[m, 32b + 2r .. + 1] */
                 __builtin_memcpy(&pair, xr + m * K + b * 32 + 2 * r, sizeof pair);
@@ -102,6 +113,11 @@ static inline __attribute__((always_inline)) void pass(const uint16_t *x, const 
             }
         }
     }
+    if (q8) {
+        const __m512 s0 = _mm512_loadu_ps(scale + g * 32), s1 = _mm512_loadu_ps(scale + g * 32 + 16);
+        for (int m = 0; m < rows; m++)
+            acc[m][0] = _mm512_mul_ps(acc[m][0], s0), acc[m][1] = _mm512_mul_ps(acc[m][1], s1);
+    }
     for (int m = 0; m < rows; m++) {
         uint16_t *out = y + (m0 + m) * N + g * 32;
         _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(acc[m][0]));
@@ -109,49 +125,10 @@ static inline __attribute__((always_inline)) void pass(const uint16_t *x, const 
     }
 }
 
-GROUP(group, uint16_t, uint16_t, pass)
-
-/* 32 int8 weights (a tile row: 16 columns' pairs) -> the same 32 as bf16 pairs, in place order. */
-static inline __m512bh int8_row(const int8_t *src) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo); /* lo's 16 first */
-}
-
-/* int8: as pass(), from the group's int8 tiles wg (1 KiB a k block), each column's sum times its scale. */
-static inline __attribute__((always_inline)) void pass_q8(const uint16_t *x, const int8_t *wg, const float *scale,
-                                                         uint16_t *y, const int rows, const int64_t N, const int64_t K,
-                                                         const int64_t m0, const int64_t g, const int prefetch) {
-    __m512 acc[MAX_BLOCK][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    const uint16_t *xr = x + m0 * K;
-    for (int64_t b = 0; b < K / 32; b++) {
-        const int8_t *t = wg + b * 1024; /* tile 0 at t, tile 1 at t + 512; row r at + 32 r */
-        for (int r = 0; r < 16; r++) {
-            if (prefetch && !(r & 1)) { /* two rows a cache line */
-                _mm_prefetch((const char *)(t + 2 * AHEAD * 1024 + r * 32), _MM_HINT_T1);
-                _mm_prefetch((const char *)(t + 2 * AHEAD * 1024 + 512 + r * 32), _MM_HINT_T1);
-            }
-            const __m512bh w0 = int8_row(t + r * 32);
-            const __m512bh w1 = int8_row(t + 512 + r * 32);
-            for (int m = 0; m < rows; m++) {
-                int32_t pair;
-                __builtin_memcpy(&pair, xr + m * K + b * 32 + 2 * r, sizeof pair);
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
-                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
-            }
-        }
-    }
-    const __m512 s0 = _mm512_loadu_ps(scale + g * 32), s1 = _mm512_loadu_ps(scale + g * 32 + 16);
-    for (int m = 0; m < rows; m++) {
-        uint16_t *out = y + (m0 + m) * N + g * 32;
-        _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[m][0], s0)));
-        _mm256_storeu_si256((__m256i *)(out + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[m][1], s1)));
-    }
-}
-
-GROUP(group_q8, uint16_t, int8_t, pass_q8)
+#define PASS_BF16(x, wg, scale, y, rows, N, K, m0, g, first) pass_of(x, wg, scale, y, rows, N, K, m0, g, first, 0)
+#define PASS_Q8(x, wg, scale, y, rows, N, K, m0, g, first) pass_of(x, wg, scale, y, rows, N, K, m0, g, first, 1)
+GROUP(group, uint16_t, uint16_t, PASS_BF16)
+GROUP(group_q8, uint16_t, int8_t, PASS_Q8)
 
 /* float32: output columns [32g, 32g + 32) of input rows [m0, m0 + rows) from the group's [K, 32] weights wg. */
 static inline __attribute__((always_inline)) void pass_f32(const float *x, const float *wg, const float *scale,
