@@ -41,33 +41,39 @@
 #define AHEAD 4      /* k blocks (2 KiB each) between the weights a pass reads and those it prefetches */
 #define AHEAD_F32 64 /* fp32: k (128 bytes each) between the weights a pass reads and those it prefetches: 8 KiB */
 
-/* Column group g (its K * 32 weights at wg): the M input rows in passes of at most MAX_BLOCK rows, as equal as
- * possible (13 rows: 6 + 7, not 12 + 1: a pass of few rows is bound by its dot products' latency).
- * PASS(x, wg, scale, y, r, N, K, m0, g, first) is a pass of constant r rows (the accumulators stay in registers);
- * `first` for the group's first pass, the one that reads it from memory (and prefetches); scale: the int8
- * weight's column scales, each column's sum multiplied before rounding (NULL: none). */
-#define GROUP(NAME, T, TW, PASS)                                                                                       \
-    static void NAME(const T *x, const TW *wg, const float *scale, T *y, int64_t M, int64_t N, int64_t K,              \
-                     int64_t g) {                                                                                      \
-        const int64_t passes = (M + MAX_BLOCK - 1) / MAX_BLOCK;                                                        \
-        for (int64_t p = 0, m0 = 0; p < passes; p++) {                                                                 \
-            const int64_t rows = (M - m0) / (passes - p);                                                              \
-            const int first = p == 0;                                                                                  \
-            switch (rows) {                                                                                            \
-            case 1: PASS(x, wg, scale, y, 1, N, K, m0, g, first); break;                                               \
-            case 2: PASS(x, wg, scale, y, 2, N, K, m0, g, first); break;                                               \
-            case 3: PASS(x, wg, scale, y, 3, N, K, m0, g, first); break;                                               \
-            case 4: PASS(x, wg, scale, y, 4, N, K, m0, g, first); break;                                               \
-            case 5: PASS(x, wg, scale, y, 5, N, K, m0, g, first); break;                                               \
-            case 6: PASS(x, wg, scale, y, 6, N, K, m0, g, first); break;                                               \
-            case 7: PASS(x, wg, scale, y, 7, N, K, m0, g, first); break;                                               \
-            case 8: PASS(x, wg, scale, y, 8, N, K, m0, g, first); break;                                               \
-            case 9: PASS(x, wg, scale, y, 9, N, K, m0, g, first); break;                                               \
-            case 10: PASS(x, wg, scale, y, 10, N, K, m0, g, first); break;                                             \
-            case 11: PASS(x, wg, scale, y, 11, N, K, m0, g, first); break;                                             \
-            default: PASS(x, wg, scale, y, MAX_BLOCK, N, K, m0, g, first); break;                                      \
+/* All column groups of w (group g: its K * 32 weights from g * K * 32), split evenly among `threads`; each group's
+ * M input rows in passes of at most MAX_BLOCK rows, as equal as possible (13 rows: 6 + 7, not 12 + 1: a pass of few
+ * rows is bound by its dot products' latency). PASS(x, wg, scale, y, r, N, K, m0, g, first) is a pass of constant r
+ * rows (the accumulators stay in registers); `first` for the group's first pass, the one that reads it from memory
+ * (and prefetches); scale: the int8 weight's column scales, each column's sum multiplied before rounding (NULL:
+ * none). */
+#define GROUPS(NAME, T, TW, PASS)                                                                                      \
+    static void NAME(const T *x, const TW *w, const float *scale, T *y, int64_t M, int64_t N, int64_t K, int threads) {\
+        const int64_t count = N / 32, passes = (M + MAX_BLOCK - 1) / MAX_BLOCK;                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                             \
+        for (int t = 0; t < threads; t++) {                                                                            \
+            for (int64_t g = count * t / threads; g < count * (t + 1) / threads; g++) {                                \
+                const TW *wg = w + g * K * 32;                                                                         \
+                for (int64_t p = 0, m0 = 0; p < passes; p++) {                                                         \
+                    const int64_t rows = (M - m0) / (passes - p);                                                      \
+                    const int first = p == 0;                                                                          \
+                    switch (rows) {                                                                                    \
+                    case 1: PASS(x, wg, scale, y, 1, N, K, m0, g, first); break;                                       \
+                    case 2: PASS(x, wg, scale, y, 2, N, K, m0, g, first); break;                                       \
+                    case 3: PASS(x, wg, scale, y, 3, N, K, m0, g, first); break;                                       \
+                    case 4: PASS(x, wg, scale, y, 4, N, K, m0, g, first); break;                                       \
+                    case 5: PASS(x, wg, scale, y, 5, N, K, m0, g, first); break;                                       \
+                    case 6: PASS(x, wg, scale, y, 6, N, K, m0, g, first); break;                                       \
+                    case 7: PASS(x, wg, scale, y, 7, N, K, m0, g, first); break;                                       \
+                    case 8: PASS(x, wg, scale, y, 8, N, K, m0, g, first); break;                                       \
+                    case 9: PASS(x, wg, scale, y, 9, N, K, m0, g, first); break;                                       \
+                    case 10: PASS(x, wg, scale, y, 10, N, K, m0, g, first); break;                                     \
+                    case 11: PASS(x, wg, scale, y, 11, N, K, m0, g, first); break;                                     \
+                    default: PASS(x, wg, scale, y, MAX_BLOCK, N, K, m0, g, first); break;                              \
+                    }                                                                                                  \
+                    m0 += rows;                                                                                        \
+                }                                                                                                      \
             }                                                                                                          \
-            m0 += rows;                                                                                                \
         }                                                                                                              \
     }
 
@@ -127,8 +133,8 @@ static inline __attribute__((always_inline)) void pass_of(const uint16_t *x, con
 
 #define PASS_BF16(x, wg, scale, y, rows, N, K, m0, g, first) pass_of(x, wg, scale, y, rows, N, K, m0, g, first, 0)
 #define PASS_Q8(x, wg, scale, y, rows, N, K, m0, g, first) pass_of(x, wg, scale, y, rows, N, K, m0, g, first, 1)
-GROUP(group, uint16_t, uint16_t, PASS_BF16)
-GROUP(group_q8, uint16_t, int8_t, PASS_Q8)
+GROUPS(groups, uint16_t, uint16_t, PASS_BF16)
+GROUPS(groups_q8, uint16_t, int8_t, PASS_Q8)
 
 /* float32: output columns [32g, 32g + 32) of input rows [m0, m0 + rows) from the group's [K, 32] weights wg. */
 static inline __attribute__((always_inline)) void pass_f32(const float *x, const float *wg, const float *scale,
@@ -157,17 +163,13 @@ static inline __attribute__((always_inline)) void pass_f32(const float *x, const
     }
 }
 
-GROUP(group_f32, float, float, pass_f32)
+GROUPS(groups_f32, float, float, pass_f32)
 
 /* Returns 0, or -1 when the shapes do not fit (the caller then uses oneDNN). */
 int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
                                   int64_t K, int threads) {
     if (M < 1 || K < 32 || K % 32 || N < 32 || N % 32) return -1;
-    const int64_t count = N / 32;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int t = 0; t < threads; t++)
-        for (int64_t g = count * t / threads; g < count * (t + 1) / threads; g++)
-            group(x, w + g * K * 32, NULL, y, M, N, K, g);
+    groups(x, w, NULL, y, M, N, K, threads);
     return 0;
 }
 
@@ -176,11 +178,7 @@ int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t
 int bucketserve_tiled_matmul_q8(const uint16_t *x, const int8_t *q, const float *scale, uint16_t *y, int64_t M,
                                 int64_t N, int64_t K, int threads) {
     if (M < 1 || K < 32 || K % 32 || N < 32 || N % 32) return -1;
-    const int64_t count = N / 32;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int t = 0; t < threads; t++)
-        for (int64_t g = count * t / threads; g < count * (t + 1) / threads; g++)
-            group_q8(x, q + g * K * 32, scale, y, M, N, K, g);
+    groups_q8(x, q, scale, y, M, N, K, threads);
     return 0;
 }
 
@@ -188,11 +186,7 @@ int bucketserve_tiled_matmul_q8(const uint16_t *x, const int8_t *q, const float 
 int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                                  int threads) {
     if (M < 1 || K < 1 || N < 32 || N % 32) return -1;
-    const int64_t count = N / 32;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int t = 0; t < threads; t++)
-        for (int64_t g = count * t / threads; g < count * (t + 1) / threads; g++)
-            group_f32(x, w + g * K * 32, NULL, y, M, N, K, g);
+    groups_f32(x, w, NULL, y, M, N, K, threads);
     return 0;
 }
 #else
