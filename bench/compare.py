@@ -23,7 +23,7 @@ from bench.servers import (
     vllm_command,
 )
 from bench.workload import LengthDist
-from buckets.table import DEFAULT_BATCH_SIZES
+from buckets.defaults import DEFAULT_BATCH_SIZES
 
 # Builds the prompts once, from the first server that is up: (its url, a local tokenizer to fall back on);
 # returns the workload's prompts and the TTFT probe prompts.

@@ -1,7 +1,8 @@
 """The bucket table: the one place that defines every static shape the server may run.
 
-Compilation, routing, warm-up and metric labels all iterate over a `BucketTable`; nothing else in the
-code base writes a size literal. Pure Python (no torch) so it can be tested in milliseconds.
+Compilation, routing, warm-up and metric labels all iterate over a `BucketTable` (its defaults live in
+buckets/defaults.py); nothing else in the code base writes a size literal. Pure Python (no torch) so it can be
+tested in milliseconds.
 """
 
 from __future__ import annotations
@@ -11,20 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from buckets.defaults import DEFAULT_MIN_LENGTH, MIXED_TOKEN_BUDGET, default_kv_lengths
 from buckets.errors import BatchTooLargeError, BucketError, PromptTooLongError
 from buckets.graph_key import GraphKey, Phase
 from buckets.sizes import parse_sizes, powers_of_two, smallest_at_least, validate_sizes
 
 __all__ = ["BatchTooLargeError", "BucketError", "BucketTable", "GraphKey", "Phase", "PromptTooLongError", "parse_sizes",
            "powers_of_two"]
-
-# Shortest default length bucket. On the CPU a short prompt's prefill is cheaper in a smaller bucket (bf16, one
-# thread, SmolLM2-135M: 30 tokens take 32.1 ms in bucket 32 against 40.0 in bucket 64; docs/performance.md) for
-# one more prefill graph and one more mixed-step graph (about 10 s of a cold warm-up each); where a graph
-# compiles for minutes (Neuron), the buckets start at 64.
-DEFAULT_MIN_LENGTH = 64
-CPU_MIN_LENGTH = 32
-
 
 @dataclass(frozen=True)
 class BucketTable:
@@ -286,41 +280,3 @@ class BucketTable:
         if not isinstance(data, dict):
             raise BucketError(f"{path}: expected a JSON object with 'lengths'")
         return cls.from_dict(data)
-
-
-# Default decode batch buckets: a step reads the weights once for every row, so 16 rows cost 1.6x one row here
-# (bfloat16, docs/performance.md); 2 is left out (a 4-row step costs about what a 2-row one does).
-DEFAULT_BATCH_SIZES = (1, 4, 8, 16)
-# Shortest default KV bucket: below it a decode step is dominated by reading the weights, not the cache.
-MIN_KV_LENGTH = 256
-
-
-def default_kv_lengths(context_length: int) -> tuple[int, ...]:
-    """KV-length buckets when none are given: powers of two from MIN_KV_LENGTH, closed by the context length.
-    The longest row of a batch picks the bucket, so with 16 rows the middle buckets carry most steps
-    (measured in docs/performance.md)."""
-    return powers_of_two(min(MIN_KV_LENGTH, context_length), context_length)
-
-
-# Most tokens a mixed step carries when prompts are not chunked (else the chunk length): measured on the CPU,
-# 512 made no more output tokens/s than 256 and doubled the inter-token latency p99 (docs/performance.md).
-MIXED_TOKEN_BUDGET = 256
-# Most prompt tokens a mixed step carries when nothing decodes (the solo budget of the default table): a lone
-# 1024-token prompt in one step instead of four (docs/performance.md, "Solo steps").
-SOLO_TOKEN_BUDGET = 1024
-
-
-def default_mixed_tokens(table: BucketTable) -> tuple[int, ...]:
-    """Token buckets for mixed steps: the length buckets up to the chunk length (up to MIXED_TOKEN_BUDGET when
-    prompts are not chunked: a mixed step cuts any prompt), so a step with decoding rows costs at most about one
-    chunk; then doublings of that up to SOLO_TOKEN_BUDGET within the context, for steps without decoding rows.
-    () when they cannot hold every decoding row plus a prompt token."""
-    cap = table.chunk_length or MIXED_TOKEN_BUDGET
-    tokens = tuple(n for n in table.lengths if n <= cap)
-    if not tokens or tokens[-1] <= table.max_batch:
-        return ()
-    solo = tokens[-1] * 2
-    while solo <= min(SOLO_TOKEN_BUDGET, table.context_length):
-        tokens += (solo,)
-        solo *= 2
-    return tokens

@@ -134,3 +134,14 @@ def max_positions(model_or_config: Any) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return sys.maxsize  # no limit in the config: --max-model-len alone decides
+
+
+def eos_token_ids(config: Any, tokenizer: Any) -> frozenset[int]:
+    """Every end-of-sequence id the config or the tokenizer names (an int or a list in either)."""
+    ids: set[int] = set()
+    for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return frozenset(ids)

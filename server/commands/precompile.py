@@ -53,7 +53,7 @@ def _graph_entry(model: EngineModel, record: CompileRecord) -> dict[str, Any]:
     key = record.key
     entry: dict[str, Any] = {"graph": key.phase, "bucket": key.bucket, "seconds": round(record.seconds, 3),
                              "from_cache": record.cache_hit}
-    store: GraphStore | None = model.runner.store if model.runner is not None else None
+    store: GraphStore | None = model.runner.graphs.store if model.runner is not None else None
     if store is not None:
         info = store.info(key)
         entry["cold_seconds"] = info.get("build_seconds")

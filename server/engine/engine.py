@@ -12,9 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 
-from buckets import PromptTooLongError
 from buckets.scheduler import WAITING_SERVED_RATIO, ChunkStep, MixedStep, PrefillStep, Scheduler, Sequence, Step
 from models.mesh import MeshError
 from models.runner import WarmupCancelled
@@ -33,20 +31,10 @@ from server.engine.interface import (
     deliver_step,
 )
 from server.engine.model import CacheMissingError, EngineModel
+from server.engine.request_book import RequestBook
 from server.metrics.hooks import MetricsHooks, SafeHooks
 
-__all__ = [
-    "DrainingError",
-    "Engine",
-    "EngineDeadError",
-    "EngineNotReadyError",
-    "InvalidTokenError",
-    "PromptTooLongError",
-    "QueueFullError",
-    "RequestHandle",
-    "TokenEvent",
-    "WarmupProgress",
-]
+__all__ = ["Engine"]  # its errors and events: server/engine/interface.py
 
 log = logging.getLogger("bucketserve.engine")
 
@@ -63,18 +51,16 @@ class Engine:
         self.vocab_limit = model.vocab_limit  # the one bound on client token ids (HTTP checks against it too)
         self.metrics = SafeHooks(metrics)
         self.request_timeout = request_timeout
-        self.log_prompts = log_prompts
         self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens, batching,
                                     waiting_served_ratio=waiting_served_ratio)
-        self._lock = threading.Lock()  # guards the scheduler and _active between the loop and the thread
-        self._wake = threading.Condition(self._lock)
-        self._active: dict[str, ActiveRequest] = {}
+        self._book = RequestBook(self._scheduler, self.metrics, request_timeout, self.table.max_batch,
+                                 self.tokenizer if log_prompts else None)
+        self._lock, self._wake, self._active = self._book.lock, self._book.wake, self._book.active
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
         self._failed: str | None = None
         self._not_ready: str | None = None
-        self._finished_times: deque[float] = deque(maxlen=256)  # completion times, for Retry-After
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,9 +92,7 @@ class Engine:
 
     def abort_all(self, reason: str, message: str | None = None) -> None:
         """End every waiting and running request with finish_reason 'abort' (drain timeout, shutdown)."""
-        with self._lock:
-            ids = list(self._active)
-        for request_id in ids:
+        for request_id in self._book.ids():
             self.abort(request_id, reason, message)
 
     def fail(self, message: str) -> None:
@@ -119,17 +103,11 @@ class Engine:
                 self._failed = message
         log.error("engine failed: %s", message)
         self.metrics.set_ready(False)
-        self._fail_all(message)
+        self._book.fail_all(message)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no request is waiting or running (used by graceful drain)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._active:
-                    return True
-            time.sleep(0.05)
-        return False
+        return self._book.wait_idle(timeout)
 
     # -- state ---------------------------------------------------------------------------------------
     def progress(self) -> WarmupProgress:
@@ -151,11 +129,7 @@ class Engine:
 
     def retry_after(self) -> float:
         """Seconds until a queued request is likely to start, from the measured completion rate."""
-        now = time.monotonic()
-        recent = [t for t in self._finished_times if now - t < 60.0]
-        rate = len(recent) / 60.0 if recent else 0.0
-        backlog = self._scheduler.num_waiting + 1
-        return float(min(60, max(1, round(backlog / rate)))) if rate > 0 else 5.0
+        return self._book.retry_after()
 
     # -- requests (event-loop side) --------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
@@ -203,14 +177,7 @@ class Engine:
 
     def abort(self, request_id: str, reason: str = "client", message: str | None = None) -> None:
         """Thread-safe; frees the slot before the next step. The stream ends with finish_reason 'abort'."""
-        with self._lock:
-            active = self._active.pop(request_id, None)
-            if active is None:
-                return
-            self._scheduler.abort(request_id)
-        active.handle.push([TokenEvent(None, None, (), "abort", message)])  # first: nothing may prevent it
-        # A stop string is a normal end for the client ("stop"); everything else is an abort.
-        self._account_end(active, reason, "stop" if reason == "stop_string" else "abort")
+        self._book.abort(request_id, reason, message)
 
     # -- the engine thread -------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -230,7 +197,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - any load/warm-up failure makes the server unhealthy
             log.exception("engine failed to load or warm up")
             self._failed = f"{type(exc).__name__}: {exc}"
-            self._fail_all(self._failed)
+            self._book.fail_all(self._failed)
             return
         try:
             while True:
@@ -238,10 +205,10 @@ class Engine:
                 with self._wake:
                     if self._stopping or self._failed is not None:
                         return
-                    expired = self._expire_deadlines()
+                    expired = self._book.expired()
                     step = None if expired else self._scheduler.schedule()
                     if step is None and not expired:
-                        self._publish_load()
+                        self._book.publish_load()
                         self._wake.wait(0.5)
                         continue
                     if isinstance(step, (PrefillStep, MixedStep)):
@@ -292,7 +259,7 @@ class Engine:
             # token is rewritten at the same position), as they would have after a failed prefill.
             failed = tuple(p.seq for p in step.pieces) if isinstance(step, MixedStep) else step.seqs
             for seq in failed:
-                self._finish_error(seq.request_id, f"{type(exc).__name__}: {exc}")
+                self._book.finish_error(seq.request_id, f"{type(exc).__name__}: {exc}")
             return
         with self._lock:
             owners = [self._active.get(seq.request_id) for seq in step.sampling_seqs]
@@ -301,7 +268,7 @@ class Engine:
         sampled: dict[str, SampledToken] = {}
         for seq, token in zip(step.sampling_seqs, tokens):
             if isinstance(token, Exception):  # one request's failure is that request's alone
-                self._finish_error(seq.request_id, f"sampling failed: {token}")
+                self._book.finish_error(seq.request_id, f"sampling failed: {token}")
             elif token is not None:
                 sampled[seq.request_id] = token
         now = time.monotonic()
@@ -316,44 +283,8 @@ class Engine:
                 out.append((active, TokenEvent(tok.token_id, tok.logprob, tok.top_logprobs, reason)))
         deliver_step([(active.handle, [event]) for active, event in out])
         for active, event in out:
-            self._account_token(active, now, event.finish_reason)
-        self._publish_load()
-
-    # -- bookkeeping -----------------------------------------------------------------------------------
-    def _account_token(self, active: ActiveRequest, now: float, reason: str | None) -> None:
-        active.on_token(now, reason, self.metrics, self.tokenizer if self.log_prompts else None)
-        if reason is not None:
-            self._finished_times.append(now)
-
-    def _finish_error(self, request_id: str, message: str) -> None:
-        with self._lock:
-            active = self._active.pop(request_id, None)
-            self._scheduler.abort(request_id)
-        if active is not None:
-            active.handle.push([TokenEvent(None, None, (), "error", message)])
-            self._account_end(active, "error", "error")
-
-    def _account_end(self, active: ActiveRequest, abort_reason: str, finish_reason: str) -> None:
-        active.on_end(abort_reason, finish_reason, self.metrics, self.tokenizer if self.log_prompts else None)
-
-    def _expire_deadlines(self) -> list[str]:
-        """Lock held: the requests past their deadline (aborted by the caller, outside the lock)."""
-        if self.request_timeout <= 0:
-            return []
-        now = time.monotonic()
-        return [rid for rid, active in self._active.items() if now >= active.deadline]
-
-    def _fail_all(self, message: str) -> None:
-        """The engine cannot continue: every request ends with an error event."""
-        with self._lock:
-            ids = list(self._active)
-        for request_id in ids:
-            self._finish_error(request_id, message)
-
-    def _publish_load(self) -> None:
-        free = self.table.max_batch - self._scheduler.num_running
-        self.metrics.set_load(self._scheduler.num_running, self._scheduler.num_waiting, free)
-
+            self._book.account_token(active, now, event.finish_reason)
+        self._book.publish_load()
 
 
 def _satisfies_engine_api(engine: Engine) -> EngineAPI:

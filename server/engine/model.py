@@ -10,7 +10,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,18 +17,19 @@ import torch
 
 from buckets import BucketTable, GraphKey
 from buckets.scheduler import ChunkStep, MixedStep, PrefillStep, Sequence, Step
+from models.cache_layout import full_attention_only
 from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key, prewarm_inductor
 from models.graph_builder import BuildSpec, ProcessBuilder
 from models.hardware import resolve_compile_workers, resolve_dtype, resolve_num_threads
-from models.loading import cache_root, load_model, load_tokenizer, max_positions, model_display_name
+from models.loading import cache_root, eos_token_ids, load_model, load_tokenizer, max_positions, model_display_name
 from models.mesh import MeshSpec
 from models.runner import ModelRunner, PrefillRow
 from models.sampling import SampledToken, Sampler, SamplingParams
-from models.slot_cache import UnsupportedModelError, layer_types
 from models.step_plan import rank_runner
 from server.config import ServerSettings
 from server.engine.mesh import EngineMesh
 from server.engine.step_sampling import StepLogits, sample_step
+from server.engine.warmup_counter import WarmupCounter
 from server.metrics.hooks import MetricsHooks, SafeHooks
 
 log = logging.getLogger("bucketserve.warmup")
@@ -37,23 +37,6 @@ log = logging.getLogger("bucketserve.warmup")
 
 class CacheMissingError(RuntimeError):
     """--require-cached-graphs: a graph was compiled instead of loaded from the compile cache."""
-
-
-@dataclass
-class WarmupCounter:
-    total: int
-    done: int = 0
-    started: float = field(default_factory=time.monotonic)
-    finished: float = 0.0
-
-    @property
-    def seconds(self) -> float:
-        return (self.finished or time.monotonic()) - self.started
-
-    def eta(self) -> float:
-        if self.done == 0:
-            return 30.0
-        return self.seconds / self.done * (self.total - self.done)
 
 
 class EngineModel:
@@ -72,9 +55,9 @@ class EngineModel:
         settings.check_quantize()
         settings.check_cuda_graphs()
         # Mixed steps' attention op has no sliding windows: such models keep separate prefill and decode steps.
-        self.table = table or settings.bucket_table(max_positions(self.config), mixed_ok=_full_attention(self.config))
+        self.table = table or settings.bucket_table(max_positions(self.config), mixed_ok=full_attention_only(self.config))
         self.name = settings.served_model_name or model_display_name(model_path)
-        self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         # Rows of the embedding table (an id past it would fail the whole step it is batched into), and no
         # more than the tokenizer can decode: the one limit on client token ids, HTTP and engine alike.
@@ -112,7 +95,7 @@ class EngineModel:
                  "%s, context %d: %d graphs", list(self.table.lengths), list(self.table.batch_sizes),
                  list(self.table.prefill_batch_sizes), list(self.table.kv_lengths), list(self.table.mixed_tokens),
                  self.table.context_length, self.runner.num_graphs)
-        store = self.runner.store
+        store = self.runner.graphs.store
         if s.require_cached_graphs and store is not None:
             # Fail before compiling anything: every graph must have its saved artifact.
             missing = [str(k) for k in (keys or self.runner.keys) if not store.has(k)]
@@ -122,10 +105,9 @@ class EngineModel:
         self.progress.started = time.monotonic()
         if keys is not None:
             self.progress.total = len(keys)
-        # Builders only help a cold start of saved graphs (inductor without freezing, with a cache directory).
-        # Builders only help a cold start of saved graphs; a tensor-parallel rank's graphs need the mesh: none.
-        builders = resolve_compile_workers(s.compile_workers) - 1 if self.runner.store is not None and \
-            self.mesh is None else 0
+        # Builders only help a cold start of saved graphs (inductor without freezing, with a cache directory);
+        # a tensor-parallel rank's graphs need the mesh: none.
+        builders = resolve_compile_workers(s.compile_workers) - 1 if store is not None and self.mesh is None else 0
         spec = BuildSpec(self.path, self.dtype, s.device, self.table, compile_settings, self.num_threads)
         with ProcessBuilder(spec, builders) as builder:
             self._builder = builder
@@ -299,21 +281,3 @@ class EngineModel:
             k = record.key
             warmed = (k.phase, k.batch, k.length) in self.runner.warmed
             self.metrics.recompiled("guard_failure" if warmed else "unwarmed_shape")
-
-
-def _full_attention(config: Any) -> bool:
-    """Every layer attends over the whole past (no sliding windows), and the cache supports the model."""
-    try:
-        return all(kind == "full_attention" for kind in layer_types(config))
-    except UnsupportedModelError:
-        return False  # the runner says why when it is built
-
-
-def _eos_ids(config: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(i) for i in source)
-    return frozenset(ids)

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from buckets import BucketError, BucketTable, GraphKey, PromptTooLongError, parse_sizes, powers_of_two
-from buckets.table import default_kv_lengths
+from buckets.defaults import default_kv_lengths
 
 sizes = st.lists(st.integers(1, 4096), min_size=1, max_size=8, unique=True).map(lambda xs: tuple(sorted(xs)))
 

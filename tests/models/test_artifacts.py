@@ -111,7 +111,7 @@ def test_bad_artifact_is_reported_and_rebuilt(built: Path, tiny_llama: str, tmp_
     hits = {r.key: r.cache_hit for r in runner.accountant.records}
     assert hits == {key: False, GraphKey("prefill", 1, 8): True, GraphKey("decode", 1, 16): True}
     assert generate_one(runner, PROMPT, GREEDY, 8).token_ids == _eager(tiny_llama)
-    assert GraphStore(str(cache / "graphs")).load(key, runner.fingerprint).fn is not None  # rebuilt, saved again
+    assert GraphStore(str(cache / "graphs")).load(key, runner.graphs.fingerprint).fn is not None  # rebuilt, saved again
 
 
 def test_artifact_from_another_thread_count_is_stale(built: Path, tiny_llama: str, tmp_path: Path) -> None:
@@ -249,7 +249,7 @@ def test_torch_without_ahead_of_time_compile_compiles_in_process(tiny_llama: str
     monkeypatch.setattr("models.graph_set.aot_available", lambda: False)
     torch.set_num_threads(1)
     runner = _runner(tiny_llama, tmp_path / "cache")
-    assert not runner.aot and runner.store is None
+    assert not runner.graphs.aot and runner.graphs.store is None
     runner.warmup()
     assert runner.accountant.count("warmup") == TABLE.num_graphs
     assert generate_one(runner, PROMPT, GREEDY, 8).token_ids == _eager(tiny_llama)

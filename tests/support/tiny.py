@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from buckets import BucketTable
-from buckets.table import default_mixed_tokens
+from buckets.defaults import default_mixed_tokens
 from server.compose import build_model, engine_for
 from server.config import ServerSettings
 from server.engine.engine import Engine

@@ -12,7 +12,8 @@ import torch
 
 from buckets import BucketTable, PromptTooLongError
 from models.sampling import SamplingParams
-from server.engine.engine import Engine, QueueFullError
+from server.engine.engine import Engine
+from server.engine.interface import QueueFullError
 from tests.support.tiny import tiny_engine, tiny_settings
 
 
@@ -208,7 +209,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path) -> None:
 
 
 def test_token_ids_outside_the_embedding_table_are_refused(tmp_path) -> None:
-    from server.engine.engine import InvalidTokenError
+    from server.engine.interface import InvalidTokenError
 
     async def main() -> None:
         engine = await started(tiny_engine(tmp_path))

@@ -1,0 +1,98 @@
+"""The requests an engine holds, and how each one ends: the scheduler (queue and slots), the engine-side
+record of every admitted request, and the accounting of finished ones (metrics, request log, Retry-After).
+
+Shared by the event loop (admission, client aborts) and the engine thread (steps). `lock` guards the
+scheduler and `active`; a method takes it itself unless its docstring says "lock held".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from buckets.scheduler import Scheduler
+from server.engine.active_request import ActiveRequest
+from server.engine.interface import TokenEvent
+from server.metrics.hooks import SafeHooks
+
+
+class RequestBook:
+    def __init__(self, scheduler: Scheduler, metrics: SafeHooks, request_timeout: float, max_batch: int,
+                 log_tokenizer: Any = None) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.request_timeout = request_timeout
+        self.max_batch = max_batch
+        self.log_tokenizer = log_tokenizer  # set: request ends are logged with their text
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)  # the engine thread waits on it for work
+        self.active: dict[str, ActiveRequest] = {}
+        self._finished_times: deque[float] = deque(maxlen=256)  # completion times, for Retry-After
+
+    def retry_after(self) -> float:
+        """Seconds until a queued request is likely to start, from the measured completion rate."""
+        now = time.monotonic()
+        recent = [t for t in self._finished_times if now - t < 60.0]
+        rate = len(recent) / 60.0 if recent else 0.0
+        backlog = self.scheduler.num_waiting + 1
+        return float(min(60, max(1, round(backlog / rate)))) if rate > 0 else 5.0
+
+    def ids(self) -> list[str]:
+        with self.lock:
+            return list(self.active)
+
+    def abort(self, request_id: str, reason: str, message: str | None = None) -> None:
+        """Thread-safe; frees the slot before the next step. The stream ends with finish_reason 'abort'."""
+        with self.lock:
+            active = self.active.pop(request_id, None)
+            if active is None:
+                return
+            self.scheduler.abort(request_id)
+        active.handle.push([TokenEvent(None, None, (), "abort", message)])  # first: nothing may prevent it
+        # A stop string is a normal end for the client ("stop"); everything else is an abort.
+        self.account_end(active, reason, "stop" if reason == "stop_string" else "abort")
+
+    def finish_error(self, request_id: str, message: str) -> None:
+        """The request ends with an error event (its step or its sampling failed, or the engine did)."""
+        with self.lock:
+            active = self.active.pop(request_id, None)
+            self.scheduler.abort(request_id)
+        if active is not None:
+            active.handle.push([TokenEvent(None, None, (), "error", message)])
+            self.account_end(active, "error", "error")
+
+    def fail_all(self, message: str) -> None:
+        """The engine cannot continue: every request ends with an error event."""
+        for request_id in self.ids():
+            self.finish_error(request_id, message)
+
+    def account_token(self, active: ActiveRequest, now: float, reason: str | None) -> None:
+        active.on_token(now, reason, self.metrics, self.log_tokenizer)
+        if reason is not None:
+            self._finished_times.append(now)
+
+    def account_end(self, active: ActiveRequest, abort_reason: str, finish_reason: str) -> None:
+        active.on_end(abort_reason, finish_reason, self.metrics, self.log_tokenizer)
+
+    def expired(self) -> list[str]:
+        """Lock held: the requests past their deadline (aborted by the caller, outside the lock)."""
+        if self.request_timeout <= 0:
+            return []
+        now = time.monotonic()
+        return [rid for rid, active in self.active.items() if now >= active.deadline]
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no request is waiting or running (used by graceful drain)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not self.active:
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def publish_load(self) -> None:
+        running = self.scheduler.num_running
+        self.metrics.set_load(running, self.scheduler.num_waiting, self.max_batch - running)
