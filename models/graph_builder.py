@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from models.artifacts import GraphStore
 from models.compile import CompileSettings
+from models.hardware import available_memory, processes_that_fit, resident_memory
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,22 @@ def collect(pending: Pending, built: dict[str, float]) -> None:
                       type(exc).__name__, exc)
     futures.clear()
     keys.clear()
+
+
+def builders_that_fit(wanted: int) -> int:
+    """How many of `wanted` builders memory allows. A builder holds what the serving process holds once its runner
+    is built (the weights, the KV cache, the packed copies) and compiles as it does, so each is counted at this
+    process's resident size, and together they leave MEMORY_RESERVE free (measured, bf16 default table: a builder
+    peaks at ~2.1 GiB, the server at ~2.3). Fewer builders only make a cold start slower; in a container memory
+    limit, an OOM kill would take the server."""
+    if wanted < 1:
+        return 0
+    each, free = resident_memory(), available_memory()
+    fits = processes_that_fit(wanted, each, free)
+    if fits < wanted and each is not None and free is not None:
+        log.warning("%d MiB available: %d of %d graph builder processes (each ~%d MiB); a cold warm-up takes longer",
+                    free >> 20, fits, wanted, each >> 20)
+    return fits
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,28 @@ def resolve_compile_workers(requested: int, cores: int | None = None) -> int:
     return max(1, min(MAX_COMPILE_WORKERS, usable_cores() if cores is None else cores))
 
 
+# Left free by every optional use of memory (the weights' packed copies, the compile builders): activations, the
+# compile workers' start, the HTTP side.
+MEMORY_RESERVE = 1 << 30
+
+
+def resident_memory(statm: str = "/proc/self/statm") -> int | None:
+    """Bytes of RAM this process holds now (its resident set); None where /proc cannot be read."""
+    try:
+        with open(statm) as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def processes_that_fit(wanted: int, each: int | None, free: int | None) -> int:
+    """How many of `wanted` processes of `each` bytes fit in `free` bytes leaving MEMORY_RESERVE free; all of them
+    where either figure is unknown."""
+    if each is None or free is None or each <= 0:
+        return wanted
+    return max(0, min(wanted, (free - MEMORY_RESERVE) // each))
+
+
 def available_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
     """Bytes this process can still allocate without swapping or an OOM kill: the kernel's MemAvailable, capped by
     a cgroup v2 memory limit (memory.max less memory.current: a Kubernetes memory limit) where one is set. None

@@ -13,16 +13,13 @@ import torch
 from models import native, native_matmul
 from models.compile import CompileSettings
 from models.gated_mlp import fuse_gated_mlps
-from models.hardware import available_memory
+from models.hardware import MEMORY_RESERVE, available_memory
 from models.prepack import packable_bytes, prepack
 from models.prepack import supported as prepack_supported
 from models.rms_norm import swap_rms_norms
 
 log = logging.getLogger(__name__)
 
-# Left free after the packed copies: activations, the compile workers' start, the HTTP side. (The KV cache is
-# allocated before the swaps, so what it takes is already gone from the available memory.)
-MEMORY_RESERVE = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -74,7 +71,8 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
 def _copies_that_fit(model: torch.nn.Module) -> int:
     """How many extra copies of the linear weights memory allows, 0-2: oneDNN's packed copy, then the tile copy.
     Each stays unmade unless it leaves MEMORY_RESERVE free: a model that fits only plainly runs plainly (slower)
-    rather than failing at start-up. (An int8 copy, asked for by name, is made either way.)"""
+    rather than failing at start-up. (The KV cache is allocated before, so what it takes is already gone. An int8
+    copy, asked for by name, is made either way.)"""
     free = available_memory()
     if free is None:
         return 2

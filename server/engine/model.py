@@ -19,7 +19,7 @@ from buckets import BucketTable, GraphKey
 from buckets.scheduler import ChunkStep, MixedStep, PrefillStep, Sequence, Step
 from models.cache_layout import full_attention_only
 from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key, prewarm_inductor
-from models.graph_builder import BuildSpec, ProcessBuilder
+from models.graph_builder import BuildSpec, ProcessBuilder, builders_that_fit
 from models.hardware import resolve_compile_workers, resolve_dtype, resolve_num_threads
 from models.loading import cache_root, eos_token_ids, load_model, load_tokenizer, max_positions, model_display_name
 from models.mesh import MeshSpec
@@ -106,8 +106,9 @@ class EngineModel:
         if keys is not None:
             self.progress.total = len(keys)
         # Builders only help a cold start of saved graphs (inductor without freezing, with a cache directory);
-        # a tensor-parallel rank's graphs need the mesh: none.
-        builders = resolve_compile_workers(s.compile_workers) - 1 if store is not None and self.mesh is None else 0
+        # a tensor-parallel rank's graphs need the mesh: none; and each builder needs about this process's memory.
+        wanted = resolve_compile_workers(s.compile_workers) - 1 if store is not None and self.mesh is None else 0
+        builders = builders_that_fit(wanted)
         spec = BuildSpec(self.path, self.dtype, s.device, self.table, compile_settings, self.num_threads)
         with ProcessBuilder(spec, builders) as builder:
             self._builder = builder

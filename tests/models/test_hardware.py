@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from models.hardware import (
+    MEMORY_RESERVE,
     available_memory,
     cgroup_cpu_quota,
     cpu_flags,
+    processes_that_fit,
+    resident_memory,
     resolve_compile_workers,
     resolve_dtype,
     resolve_num_threads,
@@ -76,3 +81,20 @@ def test_available_memory_is_memavailable_capped_by_the_cgroup_limit(tmp_path) -
     assert available_memory(str(tmp_path / "none"), str(cgroup)) == 3 << 30
     assert available_memory(str(tmp_path / "none"), str(tmp_path / "none")) is None
 
+
+def test_resident_memory_reads_the_resident_pages(tmp_path) -> None:
+    statm = tmp_path / "statm"
+    statm.write_text("1000 250 30 1 0 200 0\n")  # size, resident, shared, ... in pages
+    assert resident_memory(str(statm)) == 250 * os.sysconf("SC_PAGE_SIZE")
+    assert resident_memory(str(tmp_path / "none")) is None
+    own = resident_memory()
+    assert own is not None and own > 10 << 20  # this interpreter, with torch imported by the suite
+
+
+def test_processes_that_fit_leave_the_reserve_free() -> None:
+    each = 2 << 30
+    assert processes_that_fit(3, each, MEMORY_RESERVE + 2 * each) == 2
+    assert processes_that_fit(3, each, MEMORY_RESERVE + 2 * each - 1) == 1
+    assert processes_that_fit(3, each, MEMORY_RESERVE - 1) == 0
+    assert processes_that_fit(1, each, 100 << 30) == 1
+    assert processes_that_fit(2, None, 1) == 2 and processes_that_fit(2, each, None) == 2  # unknown: as asked

@@ -153,6 +153,32 @@ def test_require_cached_graphs_fails_before_compiling_anything(tiny_llama: str, 
     assert model.accountant.count() == 0
 
 
+@pytest.mark.parametrize(("free_gib", "builders"), [(64, 1), (1, 0)])
+def test_cold_start_starts_only_the_builders_memory_allows(tiny_llama: str, tmp_path: Path, free_gib: int,
+                                                           builders: int, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Each builder process holds what the server holds (weights, KV cache, packed copies): a cold start asks for
+    `--compile-workers` - 1 of them, and starts only as many as leave MEMORY_RESERVE of the available memory free
+    (a container's limit counts every process in it), with a warning when it starts fewer."""
+    import models.graph_builder as graph_builder
+    from models.runner import ModelRunner
+
+    monkeypatch.setattr(graph_builder, "available_memory", lambda: free_gib << 30)
+    monkeypatch.setattr(graph_builder, "resident_memory", lambda: 1 << 30)
+    seen: list[int] = []
+
+    def warmup(self: ModelRunner, keys: object = None, *, builder: graph_builder.ProcessBuilder, **_: object) -> float:
+        seen.append(builder.workers)  # the compiles themselves are the artifact tests' subject
+        return 0.0
+
+    monkeypatch.setattr(ModelRunner, "warmup", warmup)
+    settings = tiny_settings(compile_backend="inductor", compile_cache_dir=str(tmp_path), compile_workers=2)
+    with caplog.at_level("WARNING", logger="models.graph_builder"):
+        build_model(settings, tiny_llama).load_and_warm()
+    assert seen == [builders]
+    assert ("0 of 1 graph builder processes" in caplog.text) == (builders == 0)
+
+
 @pytest.mark.slow
 def test_sigterm_during_a_cold_start_stops_the_warmup_and_its_builders(tiny_llama: str, tmp_path: Path) -> None:
     """A pod deleted while it compiles: the server exits 0 after at most the graph in progress, and the
