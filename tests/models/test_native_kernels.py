@@ -62,10 +62,11 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 2e-6}
 def test_kernel_equals_float32_attention_over_each_rows_slot(groups: int, dim: int, dtype: torch.dtype,
                                                              threads: int) -> None:
     torch.manual_seed(groups * 1000 + dim)
-    heads, context = 2, 80
-    # Rows read slots out of order; extents cover 1, a block edge (16), one past it, and the whole slot.
-    slots, extents = [4, 0, 2, 5, 1, 3], [1, 15, 16, 17, 47, 80]
-    k, v = _poisoned_cache(6, heads, context, dim, dict(zip(slots, extents, strict=True)), dtype)
+    heads, context = 2, 200
+    # Rows read slots out of order; extents cover 1, either side of a block of 16 and of a chunk of 64 (the
+    # kernel's softmax runs a chunk at a time), several chunks, and the whole slot.
+    slots, extents = [4, 0, 2, 5, 1, 3, 7, 6], [1, 15, 17, 47, 63, 64, 65, 200]
+    k, v = _poisoned_cache(8, heads, context, dim, dict(zip(slots, extents, strict=True)), dtype)
     q = torch.randn(len(slots), heads, groups, dim).to(dtype)
     scale = dim ** -0.5
     got = native.decode_attention(q, k, v, np.array(slots), np.array(extents), scale)
