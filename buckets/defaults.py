@@ -34,6 +34,11 @@ def default_kv_lengths(context_length: int) -> tuple[int, ...]:
 # Most tokens a mixed step carries when prompts are not chunked (else the chunk length): measured on the CPU,
 # 512 made no more output tokens/s than 256 and doubled the inter-token latency p99 (docs/performance.md).
 MIXED_TOKEN_BUDGET = 256
+# Most tokens a mixed step carries while rows decode, on the server's default table (`max_step_tokens`): 128
+# against 256 (the chunk) made the same output tokens/s at 4-16 clients and halved the inter-token latency p99
+# (one thread, bf16, four alternations: 8 clients 346-376 -> 192-201 ms, 16 clients 372-519 -> 210-233 ms;
+# docs/performance.md, "Steps of 128 tokens while rows decode").
+MIXED_STEP_TOKENS = 128
 # Most prompt tokens a mixed step carries when nothing decodes (the solo budget of the default table): a lone
 # 1024-token prompt in one step instead of four (docs/performance.md, "Solo steps").
 SOLO_TOKEN_BUDGET = 1024
@@ -53,3 +58,10 @@ def default_mixed_tokens(table: BucketTable) -> tuple[int, ...]:
         tokens += (solo,)
         solo *= 2
     return tokens
+
+
+def default_step_tokens(table: BucketTable) -> int:
+    """`max_step_tokens` for a table with mixed steps: MIXED_STEP_TOKENS where a token bucket of at most that many
+    holds every decoding row plus a prompt token (else 0: up to the chunk)."""
+    fits = [n for n in table.mixed_tokens if table.max_batch < n <= MIXED_STEP_TOKENS]
+    return MIXED_STEP_TOKENS if fits and table.mixed_budget > MIXED_STEP_TOKENS else 0

@@ -37,8 +37,9 @@ class BucketTable:
     prompt tokens of new or partly prefilled requests together, packed on one token axis and padded to the
     smallest token bucket that holds them: one pass over the weights serves both (what vLLM schedules). Its
     graph returns the logits of `max_batch` rows (a row per slot at most samples in one step). With rows
-    decoding a step carries up to `mixed_budget` tokens; without, up to `solo_budget` (the largest bucket), and
-    with them too where the scheduler's `waiting_served_ratio` says the waiting outnumber them."""
+    decoding a step carries up to `mixed_budget` tokens (the largest token bucket up to `max_step_tokens`); without,
+    up to `solo_budget` (the largest bucket), and with them too where the scheduler's `waiting_served_ratio` says
+    the waiting outnumber them."""
 
     lengths: tuple[int, ...]
     batch_sizes: tuple[int, ...] = (1,)
@@ -47,6 +48,7 @@ class BucketTable:
     kv_lengths: tuple[int, ...] = ()  # (): default_kv_lengths(context_length); the last is the context
     chunked_prefill: bool = False
     mixed_tokens: tuple[int, ...] = ()
+    max_step_tokens: int = 0  # 0: the chunk length (MIXED_TOKEN_BUDGET without chunking)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", tuple(self.lengths))
@@ -78,6 +80,10 @@ class BucketTable:
                 "(every live sequence needs a decode graph)"
             )
         object.__setattr__(self, "mixed_tokens", tuple(self.mixed_tokens))
+        if isinstance(self.max_step_tokens, bool) or not isinstance(self.max_step_tokens, int) \
+                or self.max_step_tokens < 0:
+            raise BucketError(f"max_step_tokens must be an integer >= 0 (0: the chunk length), got "
+                              f"{self.max_step_tokens!r}")
         if self.mixed_tokens:
             validate_sizes("mixed_tokens", self.mixed_tokens)
             if self.mixed_budget <= self.max_batch or self.mixed_tokens[-1] > self.context_length:
@@ -123,8 +129,9 @@ class BucketTable:
     @property
     def mixed_budget(self) -> int:
         """Most tokens one mixed step carries while rows decode (0: mixed steps off): the largest token bucket
-        up to the chunk length (MIXED_TOKEN_BUDGET without chunking), so a decoding row waits about a chunk."""
-        cap = self.chunk_length or MIXED_TOKEN_BUDGET
+        up to `max_step_tokens` (0: the chunk length, MIXED_TOKEN_BUDGET without chunking), so a decoding row waits
+        about one such step."""
+        cap = self.max_step_tokens or self.chunk_length or MIXED_TOKEN_BUDGET
         within = [n for n in self.mixed_tokens if n <= cap]
         return within[-1] if within else (self.mixed_tokens[0] if self.mixed_tokens else 0)
 
@@ -238,12 +245,13 @@ class BucketTable:
             "kv_lengths": list(self.kv_lengths),
             "chunked_prefill": self.chunked_prefill,
             "mixed_tokens": list(self.mixed_tokens),
+            "max_step_tokens": self.max_step_tokens,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> BucketTable:
         unknown = set(data) - {"lengths", "batch_sizes", "prefill_batch_sizes", "context_length", "kv_lengths",
-                              "chunked_prefill", "mixed_tokens"}
+                              "chunked_prefill", "mixed_tokens", "max_step_tokens"}
         if unknown:
             raise BucketError(f"unknown bucket fields: {sorted(unknown)}")
         if "lengths" not in data:
@@ -255,9 +263,11 @@ class BucketTable:
                 raise BucketError(f"{name} must be a list of integers, got {value!r}")
             return tuple(value)
 
-        context = data.get("context_length", 0)
+        context, step = data.get("context_length", 0), data.get("max_step_tokens", 0)
         if not isinstance(context, int):
             raise BucketError(f"context_length must be an integer, got {context!r}")
+        if not isinstance(step, int):
+            raise BucketError(f"max_step_tokens must be an integer, got {step!r}")
         return cls(
             lengths=ints("lengths", ()),
             batch_sizes=ints("batch_sizes", (1,)),
@@ -266,6 +276,7 @@ class BucketTable:
             kv_lengths=ints("kv_lengths", ()),
             chunked_prefill=bool(data.get("chunked_prefill", False)),
             mixed_tokens=ints("mixed_tokens", ()),
+            max_step_tokens=step,
         )
 
     def save(self, path: str | Path) -> None:

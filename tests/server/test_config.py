@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import pytest
 
@@ -27,7 +28,8 @@ def test_mixed_steps_are_on_by_default_on_the_cpu_only() -> None:
     table = parse([]).bucket_table(2048)
     # up to the chunk length with rows decoding, then doublings up to 1024 for steps without (solo steps)
     assert table.mixed_tokens == (32, 64, 128, 256, 512, 1024) and table.chunk_kv_lengths == ()
-    assert (table.mixed_budget, table.solo_budget) == (256, 1024)
+    # with rows decoding a step carries up to 128 tokens (--max-step-tokens auto), without them up to 1024
+    assert (table.max_step_tokens, table.mixed_budget, table.solo_budget) == (128, 128, 1024)
     assert GraphKey("mixed", 16, 256) in set(table.graph_keys())
     for off in (["--no-mixed-steps"], ["--batching", "static"], ["--device", "cuda"]):
         assert parse(off).bucket_table(2048).mixed_tokens == (), off
@@ -122,12 +124,33 @@ def test_mixed_tokens_of_a_buckets_file_apply_only_where_mixed_steps_run(tmp_pat
 
 def test_mixed_budget_is_capped_without_chunking() -> None:
     # no chunked prefill: length buckets up to 2048, mixed steps up to 256 tokens (they cut any prompt)
-    unchunked = parse(["--prefill-chunk-size", "0"]).bucket_table(2048)
+    unchunked = parse(["--prefill-chunk-size", "0", "--max-step-tokens", "0"]).bucket_table(2048)
     assert unchunked.mixed_tokens == (32, 64, 128, 256, 512, 1024) and unchunked.mixed_budget == 256
-    chunk512 = parse(["--prefill-chunk-size", "512"]).bucket_table(2048)
+    chunk512 = parse(["--prefill-chunk-size", "512", "--max-step-tokens", "0"]).bucket_table(2048)
     assert chunk512.mixed_tokens == (32, 64, 128, 256, 512, 1024) and chunk512.mixed_budget == 512
-    small = parse(["--max-model-len", "512"]).bucket_table(512)  # solo buckets stop at the context
+    small = parse(["--max-model-len", "512", "--max-step-tokens", "0"]).bucket_table(512)  # solo stops at the context
     assert small.mixed_tokens == (32, 64, 128, 256, 512) and (small.mixed_budget, small.solo_budget) == (256, 512)
+
+
+def test_max_step_tokens_auto_is_128_where_the_table_allows(tmp_path) -> None:
+    assert parse(["--prefill-chunk-size", "512"]).bucket_table(2048).mixed_budget == 128
+    assert parse(["--max-step-tokens", "64"]).bucket_table(2048).mixed_budget == 64
+    assert parse(["--max-step-tokens", "512"]).bucket_table(2048).mixed_budget == 512  # any token bucket
+    assert parse([], {"BUCKETSERVE_MAX_STEP_TOKENS": "0"}).bucket_table(2048).mixed_budget == 256
+    # the chunk is already below 128, or the batch leaves a 128-token step no room: up to the chunk
+    assert parse(["--prefill-chunk-size", "64"]).bucket_table(2048).max_step_tokens == 0
+    wide = parse(["--batch-sizes", "1,16,128"]).bucket_table(2048)
+    assert (wide.max_step_tokens, wide.mixed_budget) == (0, 256)
+    # a saved table's own limit wins over auto, as its token buckets do; not over the flag
+    saved = tmp_path / "table.json"
+    replace(parse([]).bucket_table(2048), max_step_tokens=64).save(saved)
+    assert parse(["--buckets-file", str(saved)]).bucket_table(2048).mixed_budget == 64
+    assert parse(["--buckets-file", str(saved), "--max-step-tokens", "0"]).bucket_table(2048).mixed_budget == 256
+    with pytest.raises(SettingsError, match="max_step_tokens must be -1"):
+        parse(["--max-step-tokens", "-2"])
+    assert parse(["--max-step-tokens", "16"]).bucket_table(2048).mixed_budget == 32  # at least the smallest bucket
+    # without mixed steps there is nothing to cap
+    assert parse(["--no-mixed-steps", "--max-step-tokens", "64"]).bucket_table(2048).max_step_tokens == 0
 
 
 def test_cuda_graphs_are_off_by_default_and_only_for_cuda_with_inductor() -> None:
