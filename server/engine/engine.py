@@ -55,6 +55,7 @@ class Engine:
                                     waiting_served_ratio=waiting_served_ratio)
         self._book = RequestBook(self._scheduler, self.metrics, request_timeout, self.table.max_batch,
                                  self.tokenizer if log_prompts else None)
+        # The book's lock, its condition and its requests: admission and each step's delivery hold them here too.
         self._lock, self._wake, self._active = self._book.lock, self._book.wake, self._book.active
         self._thread: threading.Thread | None = None
         self._stopping = False
