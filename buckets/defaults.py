@@ -35,9 +35,10 @@ def default_kv_lengths(context_length: int) -> tuple[int, ...]:
 # 512 made no more output tokens/s than 256 and doubled the inter-token latency p99 (docs/performance.md).
 MIXED_TOKEN_BUDGET = 256
 # Most tokens a mixed step carries while rows decode, on the server's default table (`max_step_tokens`): 128
-# against 256 (the chunk) made the same output tokens/s at 4-16 clients and halved the inter-token latency p99
-# (one thread, bf16, four alternations: 8 clients 346-376 -> 192-201 ms, 16 clients 372-519 -> 210-233 ms;
-# docs/performance.md, "Steps of 128 tokens while rows decode").
+# against 256 (the chunk) made output tokens/s level within noise at 4-16 clients (six served alternations, pairs
+# -7% to +9%, means +0.5-0.7%, the last two pairs -2%) and halved the inter-token latency p99 (one thread, bf16:
+# 8 clients 337-376 -> 185-201 ms, 16 clients 363-519 -> 201-233 ms; docs/performance.md, "Steps of 128 tokens
+# while rows decode").
 MIXED_STEP_TOKENS = 128
 # Most prompt tokens a mixed step carries when nothing decodes (the solo budget of the default table): a lone
 # 1024-token prompt in one step instead of four (docs/performance.md, "Solo steps").
