@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from models import native
+from models import native, native_dispatch
 from models.native_matmul import packed_gated
 from models.prepack import PrepackedLinear, linear_cpu, packed_for
 
@@ -56,7 +56,8 @@ def _gated_fake(x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | N
     return x.new_empty((*x.shape[:-1], up.shape[0]))
 
 
-_LIB.impl("gated_silu", _gated_cpu, "CPU")
+# the Python kernel, until native_dispatch.install() puts the C++ one (same choices) in its place
+native_dispatch.PY_CPU.impl("gated_silu", _gated_cpu)
 torch.library.register_fake("bucketserve::gated_silu", _gated_fake, lib=_LIB)
 
 

@@ -14,7 +14,7 @@ from models import native, native_matmul
 from models.compile import CompileSettings
 from models.gated_mlp import fuse_gated_mlps
 from models.hardware import MEMORY_RESERVE, available_memory
-from models.prepack import packable_bytes, prepack
+from models.prepack import dispatch_natively, packable_bytes, prepack
 from models.prepack import supported as prepack_supported
 from models.rms_norm import swap_rms_norms
 
@@ -65,6 +65,9 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
     fused = fuse_gated_mlps(model) if prepacked and dtype != torch.float32 else 0
     # bf16 RMSNorms of prompt-sized steps in one C call; decode steps keep inductor's.
     norms = swap_rms_norms(model) if prepacked and dtype == torch.bfloat16 and native.available() else 0
+    # The linear and MLP ops' kernels in C++ from now on (~7 us less Python a call, ~150 calls a decode step)
+    if prepacked and native.available():
+        dispatch_natively()
     return ModuleSwaps(prepacked, fused, norms)
 
 

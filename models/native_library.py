@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -39,12 +40,33 @@ _LOCK = threading.Lock()
 # "lib": the loaded library (None: unavailable), "parallel": built with OpenMP, "matmul": has the small matmul,
 # "amx": has the AMX matmul and Linux lets this process use the tiles
 _state: dict[str, object] = {}
-_switch = {"on": True}
+
+
+class _Switch(dict[str, bool]):
+    """{"on": bool}, its state also in a C int that the C++ op kernels read at every call (models/native_dispatch.py):
+    configure() and tests' `monkeypatch.setitem(_switch, "on", ...)` reach both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flag = ctypes.c_int(1)
+        self["on"] = True
+
+    def __setitem__(self, key: str, value: bool) -> None:
+        super().__setitem__(key, value)
+        self.flag.value = int(bool(value))
+
+
+_switch = _Switch()
 
 
 def configure(enabled: bool) -> None:
     """Use the kernels (True, the default) or PyTorch's SDPA and oneDNN everywhere (False), for this process."""
     _switch["on"] = enabled
+
+
+def switch_address() -> int:
+    """The address of the switch's C int (1: on), for the C++ op kernels; valid for the process's lifetime."""
+    return ctypes.addressof(_switch.flag)
 
 
 def enabled() -> bool:
@@ -65,30 +87,38 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
 
 
-def _cache_dir() -> Path:
+def native_cache_dir() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir()) / "bucketserve-native"
 
 
-def _build(cc: str, out: Path) -> None:
-    """Compile SOURCES into `out` (with OpenMP when the compiler has it, else without)."""
+def build_shared(commands: Sequence[Sequence[str]], out: Path, what: str) -> None:
+    """Run the first of `commands` (each a compiler command line that writes the library to its last argument,
+    appended here) that succeeds, into `out`: written to a temporary name and renamed (processes building at once
+    do not see a partial file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for extra in (("-fopenmp",), ()):
+    for command in commands:
         fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *_FLAGS, *extra, *map(str, SOURCES), "-o", tmp], capture_output=True,
-                                  text=True, timeout=BUILD_TIMEOUT_S)
+            done = subprocess.run([*command, tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if done.returncode == 0:
                 os.chmod(tmp, 0o755)  # mkstemp makes it 0600: another user sharing the cache could not load it
                 os.replace(tmp, out)  # atomic: a process loading at the same time sees the whole file or none
                 return
-            log.debug("native kernels build with %s failed: %s", extra or "no OpenMP", done.stderr[-2000:])
+            log.debug("%s build failed (%s): %s", what, " ".join(command), done.stderr[-2000:])
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise RuntimeError(f"{cc} could not build {', '.join(p.name for p in SOURCES)}")
+    raise RuntimeError(f"{commands[0][0]} could not build {what}")
+
+
+def _build(cc: str, out: Path) -> None:
+    """Compile SOURCES into `out` (with OpenMP when the compiler has it, else without)."""
+    base = (cc, *_FLAGS)
+    build_shared([(*base, "-fopenmp", *map(str, SOURCES), "-o"), (*base, *map(str, SOURCES), "-o")], out,
+                 ", ".join(p.name for p in SOURCES))
 
 
 def _load() -> None:
@@ -103,7 +133,7 @@ def _load() -> None:
         sources = "\0".join(p.read_text() for p in (*SOURCES, *HEADERS))
         key = hashlib.sha256("\0".join((sources, cc, version, " ".join(_FLAGS), platform.machine(),
                                         _cpu_flags())).encode()).hexdigest()[:20]
-        path = _cache_dir() / key / "kernels.so"
+        path = native_cache_dir() / key / "kernels.so"
         if not path.exists():
             _build(cc, path)
         lib = ctypes.CDLL(str(path))
@@ -156,6 +186,11 @@ def threads() -> int | None:
     """The compute threads to use, or None when the build is serial and PyTorch would use more threads."""
     threads = torch.get_num_threads()
     return None if threads > 1 and not _state["parallel"] else threads
+
+
+def openmp() -> bool:
+    """The loaded kernels were built with OpenMP (call after available() returned True)."""
+    return bool(_state["parallel"])
 
 
 def has(feature: str) -> bool:

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import native
+from models import native, native_dispatch
 from models.compile import QUANTIZE_MODES
 from models.native_matmul import (
     AMX,
@@ -80,6 +80,7 @@ from models.native_matmul import (
 
 class Packed(NamedTuple):
     shape: torch.Size
+    dtype: torch.dtype
     onednn: torch.Tensor  # oneDNN's blocked copy (prompt-sized steps)
     tiles: torch.Tensor | None  # the tile copy (AMX: 2-128 rows; vector: 1-128; fp32 vector: 1-32), or None
     int8: tuple[torch.Tensor, torch.Tensor] | None  # --quantize int8: (q, scale) for steps of 1-128 rows, or None
@@ -102,22 +103,22 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too
         f32_tiles = f32_tile_pack(weight) if tiles_too else None
         if f32_tiles is not None:
             vector32: Kernel = (TILED_F32, f32_tiles.data_ptr(), 0)
-            return Packed(weight.shape, onednn, f32_tiles, None, vector32, vector32, TILED_F32_MAX_ROWS)
+            return Packed(weight.shape, weight.dtype, onednn, f32_tiles, None, vector32, vector32, TILED_F32_MAX_ROWS)
         one: Kernel | None = (ONE_ROW_F32, weight.data_ptr(), 0) if one_row_f32_takes(weight) else None
-        return Packed(weight.shape, onednn, None, None, one, None, 1)
+        return Packed(weight.shape, weight.dtype, onednn, None, None, one, None, 1)
     q8 = int8_pack(weight) if quantize == "int8" else None
     tiles = tile_pack(weight) if q8 is None and tiles_too else None
     small: Kernel | None = (SMALL, weight.data_ptr(), 0) if small_matmul_takes(weight) else None
     if q8 is not None:
         int8: Kernel = (int8_kind(), q8[0].data_ptr(), q8[1].data_ptr())
-        return Packed(weight.shape, onednn, None, q8, int8, int8, AMX_MAX_ROWS)
+        return Packed(weight.shape, weight.dtype, onednn, None, q8, int8, int8, AMX_MAX_ROWS)
     if tiles is not None and amx_available():
         amx: Kernel = (AMX, tiles.data_ptr(), 0)
-        return Packed(weight.shape, onednn, tiles, None, small or amx, amx, AMX_MAX_ROWS)
+        return Packed(weight.shape, weight.dtype, onednn, tiles, None, small or amx, amx, AMX_MAX_ROWS)
     if tiles is not None:
         vector: Kernel = (TILED, tiles.data_ptr(), 0)
-        return Packed(weight.shape, onednn, tiles, None, vector, vector, TILED_MAX_ROWS)
-    return Packed(weight.shape, onednn, None, None, small, small, SMALL_MATMUL_STEP_ROWS)
+        return Packed(weight.shape, weight.dtype, onednn, tiles, None, vector, vector, TILED_MAX_ROWS)
+    return Packed(weight.shape, weight.dtype, onednn, None, None, small, small, SMALL_MATMUL_STEP_ROWS)
 
 
 # weight's address -> its packed copies
@@ -166,7 +167,8 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-_LIB.impl("linear", linear_cpu, "CPU")
+# the Python kernel, until native_dispatch.install() puts the C++ one (same choices) in its place
+native_dispatch.PY_CPU.impl("linear", linear_cpu)
 torch.library.register_fake("bucketserve::linear", _linear_fake, lib=_LIB)
 
 
@@ -212,7 +214,8 @@ def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int
                 entry = _PACKED.get(key)
                 if entry is None or (quantize == "int8") != (entry.int8 is not None):
                     onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if entry is None else entry.onednn
-                    _PACKED[key] = _packed(weight, onednn, quantize, tiles)
+                    _PACKED[key] = packed = _packed(weight, onednn, quantize, tiles)
+                    _mirror(key, packed)
                     if entry is None:
                         weakref.finalize(module.weight, _forget, key)
             module.__class__ = PrepackedLinear
@@ -232,6 +235,24 @@ def packable_bytes(model: nn.Module) -> int:
 def _forget(key: int) -> None:
     with _LOCK:
         _PACKED.pop(key, None)
+        native_dispatch.forget(key)
+
+
+def dispatch_natively() -> bool:
+    """Serve the linear and gated MLP ops with their C++ kernels (models/native_dispatch.py) from now on, every
+    packed weight mirrored there. True when they do."""
+    with _LOCK:
+        if not native_dispatch.install():
+            return False
+        for key, packed in _PACKED.items():
+            _mirror(key, packed)
+    return True
+
+
+def _mirror(key: int, packed: Packed) -> None:
+    """_LOCK held: tell the C++ kernels (once installed) about the packed copies of the weight at `key`."""
+    native_dispatch.remember(key, packed.shape, packed.dtype, packed.onednn, packed.one, packed.few,
+                             packed.few_max)
 
 
 def packed_count() -> int:

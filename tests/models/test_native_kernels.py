@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from models import native, native_library, native_matmul
 from models.attention import mixed_plan, packed_sdpa
-from models.prepack import prepack
+from models.prepack import linear_cpu, prepack
 from tests.models.test_attention import FakeAttention
 
 
@@ -221,7 +221,8 @@ def test_small_matmul_declines_what_it_does_not_take() -> None:
 
 def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """With AMX, one row: the small matmul, 2-128 rows: the AMX matmul; without, 1-128 rows the vector matmul on
-    the tile copy; more rows (prompts): oneDNN. Each gives the plain linear's result to bf16 rounding."""
+    the tile copy; more rows (prompts): oneDNN. Each gives the plain linear's result to bf16 rounding. (The op's
+    Python kernel; its C++ one makes the same choices: tests/models/test_native_dispatch.py.)"""
     torch.manual_seed(3)
     layer = torch.nn.Linear(64, 96, bias=False).bfloat16().requires_grad_(False)
     inputs = {rows: torch.randn(rows, 1, 64).bfloat16() for rows in (1, 2, 4, 5, 128, 129)}
@@ -230,7 +231,7 @@ def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     taken: list[tuple[str, int]] = []
     monkeypatch.setattr("models.prepack.packed_linear", _counting(taken))
     for rows, x in inputs.items():
-        torch.testing.assert_close(layer(x), plain[rows], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(linear_cpu(x, layer.weight, None), plain[rows], rtol=1e-2, atol=1e-2)
     if native_matmul.small_matmul(inputs[1][0], layer.weight) is None:
         pytest.skip("no AVX512-BF16 on this CPU")
     if native_matmul.amx_available():
@@ -268,7 +269,7 @@ def test_a_weight_without_a_tile_copy_takes_the_small_matmul_for_one_and_two_row
     taken: list[tuple[str, int]] = []
     monkeypatch.setattr("models.prepack.packed_linear", _counting(taken))
     for rows, x in inputs.items():
-        torch.testing.assert_close(layer(x), plain[rows], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(linear_cpu(x, layer.weight, None), plain[rows], rtol=1e-2, atol=1e-2)
     assert taken == [("small", 1), ("small", 2)]
 
 

@@ -17,7 +17,7 @@ from models import native, native_library, native_matmul
 from models.compile import CompileSettings
 from models.generator import generate_one
 from models.loading import load_model
-from models.prepack import PrepackedLinear, packable_bytes, packed_count, packed_for, prepack, supported
+from models.prepack import PrepackedLinear, linear_cpu, packable_bytes, packed_count, packed_for, prepack, supported
 from models.runner import ModelRunner
 from models.sampling import SamplingParams
 
@@ -91,8 +91,10 @@ def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: 
 
             head = model.get_output_embeddings().weight
             zeros = torch.zeros_like(head)  # alive until the step below: the native kernels read its copies
-            module._PACKED[head.data_ptr()] = module._packed(zeros, torch.ops.mkldnn._reorder_linear_weight(zeros),
-                                                             "none")
+            poisoned = module._packed(zeros, torch.ops.mkldnn._reorder_linear_weight(zeros), "none")
+            with module._LOCK:  # the Python kernels' table and the C++ ones' (where installed)
+                module._PACKED[head.data_ptr()] = poisoned
+                module._mirror(head.data_ptr(), poisoned)
             logits = runner.decode(1, torch.tensor([7]), torch.tensor([11]))
             assert torch.count_nonzero(logits[0]) == 0
         runner.stop_serving()
@@ -127,15 +129,16 @@ def test_float32_takes_the_vector_kernel_for_1_to_32_rows_mkl_with_kernels_off_a
 
     monkeypatch.setattr(prepack_module, "packed_linear", counted)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    for x in (one, rows, many):
-        torch.testing.assert_close(layer(x), nn.functional.linear(x, w, layer.bias), rtol=1e-5, atol=1e-5)
+    for x in (one, rows, many):  # the op's Python kernel (its C++ one chooses alike: test_native_dispatch.py)
+        torch.testing.assert_close(linear_cpu(x, w, layer.bias), nn.functional.linear(x, w, layer.bias), rtol=1e-5,
+                                   atol=1e-5)
     if native.available() and native.has("matmul"):
         assert kernel_calls == [1, 8] and onednn_calls == [33]
     monkeypatch.setitem(native_library._switch, "on", False)
     kernel_calls.clear()
     onednn_calls.clear()
-    assert torch.equal(torch.ops.bucketserve.linear(one, w, None), nn.functional.linear(one, w))
-    torch.ops.bucketserve.linear(rows, w, None)
+    assert torch.equal(linear_cpu(one, w, None), nn.functional.linear(one, w))
+    linear_cpu(rows, w, None)
     assert kernel_calls == [] and onednn_calls == [8]  # kernels off: MKL's matmul for one row, oneDNN for more
 
 

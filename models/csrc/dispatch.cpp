@@ -1,0 +1,193 @@
+// The CPU kernels of bucketserve::linear and bucketserve::gated_silu in C++, so a step's ~150 calls of them skip
+// Python: registered through the Python op API (models/prepack.py, models/gated_mlp.py), each call went op ->
+// dispatcher -> Python kernel -> ctypes, ~8.7 us a call over a ~1.5 us C call (one thread, AMD EPYC); from C++
+// the whole call is ~1.7 us. Same choices as the Python kernels, which stay where this library cannot be built
+// (models/native_dispatch.py builds, loads and installs it).
+//
+// The kernels (models/csrc/linear.c) are bound by address from the library ctypes loaded (models/native_library.py):
+// one copy of them in the process, and no link-time dependency between the two builds.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+namespace {
+
+using LinearFn = int (*)(const void *x, const void *w, const float *s, void *y, int64_t m, int64_t n, int64_t k,
+                         int kind, int threads);
+using GatedFn = int (*)(const void *x, const void *wg, const float *sg, const void *wu, const float *su, void *y,
+                        void *gate, int64_t m, int64_t n, int64_t k, int kind, int threads);
+
+// What a step of some rows reads: models/prepack.py's Kernel tuple (kind, weight copy, scales); kind -1 for none.
+struct Kernel {
+    int64_t kind = -1, weight = 0, scales = 0;
+    bool valid() const { return kind >= 0; }
+};
+
+// One packed weight (models/prepack.py's Packed): its shape and dtype, oneDNN's copy, the kernels by step size.
+struct Entry {
+    int64_t n = 0, k = 0;
+    c10::ScalarType dtype = c10::ScalarType::Undefined;
+    at::Tensor onednn;
+    Kernel one, few;
+    int64_t few_max = 0;
+
+    const Kernel *kernel(int64_t rows) const {  // Packed.kernel
+        if (rows == 1) return one.valid() ? &one : nullptr;
+        return rows > 1 && rows <= few_max && few.valid() ? &few : nullptr;
+    }
+};
+
+std::mutex mutex;  // entries change at packing and when a weight is freed (any thread); steps read them
+std::unordered_map<int64_t, Entry> entries;  // by the plain weight's address
+LinearFn linear_fn = nullptr;
+GatedFn gated_fn = nullptr;
+bool parallel = false;  // the kernels were built with OpenMP
+const volatile int *switched_on = nullptr;  // models/native_library.py's switch (--no-native-kernels): 1 on
+std::unique_ptr<torch::Library> installed;  // the CPU kernels' registration, made by install()
+
+// packed_for: the entry of `weight` when an input like `x` may use it. Copied out under the lock (a tensor
+// reference and a few integers), so a concurrent insert cannot move it under the caller.
+bool lookup(const at::Tensor &weight, const at::Tensor &x, Entry &out) {
+    std::lock_guard<std::mutex> guard(mutex);
+    auto it = entries.find(reinterpret_cast<int64_t>(weight.data_ptr()));
+    if (it == entries.end()) return false;
+    const Entry &e = it->second;
+    if (weight.dim() != 2 || weight.size(0) != e.n || weight.size(1) != e.k || x.scalar_type() != e.dtype) return false;
+    out = e;
+    return true;
+}
+
+int threads() {  // native_library.threads(): -1 where a serial build would run under more threads
+    int t = at::get_num_threads();
+    return t > 1 && !parallel ? -1 : t;
+}
+
+std::vector<int64_t> with_last(const at::Tensor &x, int64_t n) {
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = n;
+    return sizes;
+}
+
+// rows [M, K] @ oneDNN's packed weight (+ bias), with oneDNN's post-op `attr` ("none", "swish")
+at::Tensor onednn_linear(const at::Tensor &rows, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
+                         const char *attr) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{rows, packed, bias, std::string(attr), c10::List<std::optional<at::Scalar>>(),
+                            std::optional<std::string>(std::string())};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+}
+
+// (rows @ packed.T + bias) * other, oneDNN's binary post-op
+at::Tensor onednn_times(const at::Tensor &rows, const at::Tensor &other, const at::Tensor &packed,
+                        const std::optional<at::Tensor> &bias) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
+    torch::jit::Stack stack{rows, other, packed, bias, std::string("mul")};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+}
+
+// x [..., K] @ weight [N, K].T + bias -> [..., N]: prepack.linear_cpu
+at::Tensor linear_kernel(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    Entry e;
+    if (!lookup(weight, x, e)) return at::linear(x, weight, bias);
+    const int64_t k = x.size(-1), rows = x.numel() / k;
+    const Kernel *kernel = *switched_on ? e.kernel(rows) : nullptr;
+    const int t = threads();
+    if (kernel != nullptr && linear_fn != nullptr && t > 0) {
+        const at::Tensor xc = x.contiguous();
+        at::Tensor out = at::empty(with_last(x, e.n), x.options());
+        if (linear_fn(xc.data_ptr(), reinterpret_cast<const void *>(kernel->weight),
+                      reinterpret_cast<const float *>(kernel->scales), out.data_ptr(), rows, e.n, k,
+                      static_cast<int>(kernel->kind), t) == 0)
+            return bias.has_value() ? out.add_(*bias) : out;
+    }
+    if (x.scalar_type() == at::kFloat && rows == 1) return at::linear(x, weight, bias);  // MKL's, as the reference
+    return onednn_linear(x.reshape({-1, k}).contiguous(), e.onednn, bias, "none").view(with_last(x, e.n));
+}
+
+// silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias) -> [..., N]: gated_mlp._gated_cpu
+at::Tensor gated_kernel(const at::Tensor &x, const at::Tensor &gate, const std::optional<at::Tensor> &gate_bias,
+                      const at::Tensor &up, const std::optional<at::Tensor> &up_bias) {
+    Entry g, u;
+    if (lookup(gate, x, g) && lookup(up, x, u)) {
+        const int64_t k = x.size(-1), rows = x.numel() / k;
+        const Kernel *kg = g.kernel(rows), *ku = u.kernel(rows);
+        if (kg == nullptr || ku == nullptr) {  // oneDNN, silu and the product fused in its epilogues
+            const at::Tensor r = x.reshape({-1, k}).contiguous();
+            const at::Tensor act = onednn_linear(r, g.onednn, gate_bias, "swish");
+            return onednn_times(r, act, u.onednn, up_bias).view(with_last(x, u.n));
+        }
+        const int t = threads();
+        if (!gate_bias.has_value() && !up_bias.has_value() && *switched_on && x.scalar_type() == at::kBFloat16 &&
+            gated_fn != nullptr && t > 0 && kg->kind == ku->kind) {  // one C call
+            const at::Tensor xc = x.contiguous();
+            at::Tensor out = at::empty(with_last(x, u.n), x.options());
+            at::Tensor scratch = at::empty(with_last(x, u.n), x.options());
+            if (gated_fn(xc.data_ptr(), reinterpret_cast<const void *>(kg->weight),
+                         reinterpret_cast<const float *>(kg->scales), reinterpret_cast<const void *>(ku->weight),
+                         reinterpret_cast<const float *>(ku->scales), out.data_ptr(), scratch.data_ptr(), rows, u.n, k,
+                         static_cast<int>(kg->kind), t) == 0)
+                return out;
+        }
+    }
+    return at::mul(at::silu(linear_kernel(x, gate, gate_bias)), linear_kernel(x, up, up_bias));
+}
+
+// The kernels' entries (models/csrc/linear.c, by address), how they were built, and where the switch lives.
+void bind(int64_t linear_address, int64_t gated_address, bool openmp, int64_t switch_address) {
+    linear_fn = reinterpret_cast<LinearFn>(linear_address);
+    gated_fn = reinterpret_cast<GatedFn>(gated_address);
+    parallel = openmp;
+    switched_on = reinterpret_cast<const volatile int *>(switch_address);
+}
+
+void remember(int64_t address, int64_t n, int64_t k, c10::ScalarType dtype, const at::Tensor &onednn,
+              int64_t one_kind, int64_t one_weight, int64_t one_scales, int64_t few_kind, int64_t few_weight,
+              int64_t few_scales, int64_t few_max) {
+    Entry e{n, k, dtype, onednn, Kernel{one_kind, one_weight, one_scales}, Kernel{few_kind, few_weight, few_scales},
+            few_max};
+    std::lock_guard<std::mutex> guard(mutex);
+    entries[address] = std::move(e);
+}
+
+void forget(int64_t address) {
+    std::lock_guard<std::mutex> guard(mutex);
+    entries.erase(address);
+}
+
+int64_t remembered() {
+    std::lock_guard<std::mutex> guard(mutex);
+    return static_cast<int64_t>(entries.size());
+}
+
+// Register the two CPU kernels (once; the caller has removed the Python ones first).
+void install() {
+    TORCH_CHECK(linear_fn != nullptr && switched_on != nullptr, "bind the kernels before installing");
+    if (installed) return;
+    installed = std::make_unique<torch::Library>(torch::Library::IMPL, "bucketserve", c10::DispatchKey::CPU,
+                                                 __FILE__, __LINE__);
+    installed->impl("linear", TORCH_FN(linear_kernel));
+    installed->impl("gated_silu", TORCH_FN(gated_kernel));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(bucketserve_dispatch, m) {
+    m.def("bind(int linear, int gated, bool openmp, int switch) -> ()", &bind);
+    m.def("remember(int address, int n, int k, ScalarType dtype, Tensor onednn, int one_kind, int one_weight, "
+          "int one_scales, int few_kind, int few_weight, int few_scales, int few_max) -> ()",
+          &remember);
+    m.def("forget(int address) -> ()", &forget);
+    m.def("remembered() -> int", &remembered);
+    m.def("install() -> ()", &install);
+}

@@ -1,0 +1,98 @@
+"""The C++ kernels of bucketserve::linear and gated_silu (models/native_dispatch.py) give the Python kernels' bits:
+the same choice of native kernel, oneDNN or the plain matmul for every step size, dtype, bias and switch state."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from models import native, native_dispatch, native_library, native_matmul
+from models.gated_mlp import _gated_cpu
+from models.prepack import dispatch_natively, linear_cpu, packed_count, prepack
+
+needs_kernels = pytest.mark.skipif(not native.available() or shutil.which("g++") is None and shutil.which("c++") is None,
+                                   reason="needs the native kernels and a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def installed() -> None:
+    assert dispatch_natively(), "the C++ op kernels did not build or install"
+    assert native_dispatch.installed()
+    for op in native_dispatch.KERNELS:  # the CPU kernel the dispatcher holds is the C++ one
+        assert "dispatch.cpp" in next(line for line in torch._C._dispatch_dump(f"bucketserve::{op}").splitlines()
+                                      if line.startswith("CPU:"))
+
+
+def _layer(n: int, k: int, dtype: torch.dtype, bias: bool, seed: int, quantize: str = "none") -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias).to(dtype).requires_grad_(False)
+    prepack(layer, quantize)
+    return layer
+
+
+ROWS = (1, 2, 8, 33, 128, 129, 300)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("on", [True, False])
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+@pytest.mark.parametrize("n", [96, 48])  # 48: no tile copy (N % 32), the small matmul's weight
+def test_linear_gives_the_python_kernels_bits(installed: None, dtype: torch.dtype, bias: bool, on: bool, n: int,
+                                              quantize: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if quantize == "int8" and (dtype != torch.bfloat16 or n % 32 or not native_matmul.int8_kind()):
+        pytest.skip("int8 copies: bf16 weights whose N is a multiple of 32, on AMX or AVX512-BF16")
+    layer = _layer(n, 64, dtype, bias, seed=1, quantize=quantize)
+    monkeypatch.setitem(native_library._switch, "on", on)  # after packing: int8 copies need the kernels
+    for rows in ROWS:
+        x = torch.randn(rows, 64, dtype=dtype)
+        for shaped in (x, x.view(1, rows, 64), x.t().contiguous().t()):  # 3-D, and not contiguous
+            got = torch.ops.bucketserve.linear(shaped, layer.weight, layer.bias)
+            assert got.shape == (*shaped.shape[:-1], n)
+            assert torch.equal(got, linear_cpu(shaped, layer.weight, layer.bias)), (rows, shaped.shape)
+
+
+@needs_kernels
+def test_a_weight_it_does_not_know_takes_the_plain_matmul(installed: None) -> None:
+    layer = _layer(48, 32, torch.bfloat16, False, seed=2)
+    other = torch.randn(48, 32, dtype=torch.bfloat16)  # same shape, never packed
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert torch.equal(torch.ops.bucketserve.linear(x, other, None), nn.functional.linear(x, other))
+    # another dtype than the packed weight's: the plain matmul too
+    wide = layer.weight.float()
+    assert torch.equal(torch.ops.bucketserve.linear(x.float(), wide, None), nn.functional.linear(x.float(), wide))
+
+
+@needs_kernels
+@pytest.mark.parametrize("on", [True, False])
+def test_gated_silu_gives_the_python_kernels_bits(installed: None, on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(native_library._switch, "on", on)
+    gate, up = _layer(128, 64, torch.bfloat16, False, seed=3), _layer(128, 64, torch.bfloat16, False, seed=4)
+    for rows in ROWS:
+        x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+        got = torch.ops.bucketserve.gated_silu(x, gate.weight, None, up.weight, None)
+        assert got.shape == (1, rows, 128)
+        assert torch.equal(got, _gated_cpu(x, gate.weight, None, up.weight, None)), rows
+    biased_gate, biased_up = _layer(128, 64, torch.bfloat16, True, 5), _layer(128, 64, torch.bfloat16, True, 6)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    args = (x, biased_gate.weight, biased_gate.bias, biased_up.weight, biased_up.bias)
+    assert torch.equal(torch.ops.bucketserve.gated_silu(*args), _gated_cpu(*args))
+
+
+@needs_kernels
+def test_a_freed_weight_is_forgotten_and_a_new_one_packed_later_is_known(installed: None) -> None:
+    gc.collect()
+    before = native_dispatch.remembered()
+    assert before == packed_count()  # every packed weight mirrored, those packed before the install too
+    layer = _layer(32, 32, torch.bfloat16, False, seed=7)
+    assert native_dispatch.remembered() == before + 1
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    assert torch.equal(torch.ops.bucketserve.linear(x, layer.weight, None), linear_cpu(x, layer.weight, None))
+    del layer
+    gc.collect()
+    assert native_dispatch.remembered() == before
