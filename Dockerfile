@@ -46,7 +46,8 @@ RUN set -eux; set -f; \
 
 FROM ${BASE_IMAGE}
 # A C/C++ compiler at run time: inductor compiles the CPU graphs' kernels with it (on a cold compile cache), and
-# models/native_library.py builds the native kernels with it (once per machine, kept in the compile cache).
+# models/native_library.py builds the native kernels with it (once per machine, kept in the compile cache), and
+# models/native_dispatch.py the C++ kernels of the linear and MLP ops (against torch's headers, likewise).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*

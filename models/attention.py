@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models import native_dispatch
 from models.native import ATTENTION_DTYPES, decode_attention, decode_attention_masked, mask_extents, piece_attention
 
 ATTENTION = "bucketserve_sdpa"
@@ -69,6 +70,7 @@ def segments(extents: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
 _LIB.define("attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor")
+_LIB.define("attention_general(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor")
 _LIB.define("mixed_attention(Tensor query, Tensor key, Tensor value, Tensor meta, float scale) -> Tensor")
 _LIB.define("causal_attention(Tensor query, Tensor key, Tensor value, float scale) -> Tensor")
 
@@ -93,12 +95,21 @@ def _extents(mask: torch.Tensor) -> tuple[tuple[int, ...], bool]:
 def _attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """query [b, H, q, D], key/value [b, H_kv, K, D] (H a multiple of H_kv), mask [b, 1, q, K] additive float
-    (0 = attend; q may be 1 and broadcast over packed query heads). Returns [b, H, q, D]."""
-    gqa = query.shape[1] != key.shape[1]
-    if mask.shape[2] == 1 and not gqa:  # decode (one query, heads packed [b, H_kv, G, D]): one C call
+    (0 = attend; q may be 1 and broadcast over packed query heads). Returns [b, H, q, D]. The op's Python kernel;
+    its C++ one (models/csrc/dispatch.cpp) takes the same one-call decode path and calls `attention_general`
+    where that declines."""
+    if mask.shape[2] == 1 and query.shape[1] == key.shape[1]:  # decode (one query, heads packed [b, H_kv, G, D])
         out = decode_attention_masked(query, key, value, mask, scale)
         if out is not None:
             return out
+    return _attention_general(query, key, value, mask, scale)
+
+
+def _attention_general(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """_attention_cpu past its one-call decode path: the kernels' general decode entry (extents read from the
+    mask), else SDPA over segments of rows of similar extents."""
+    gqa = query.shape[1] != key.shape[1]
     extents, prefixes = _extents(mask)
     if mask.shape[2] == 1 and not gqa and prefixes:  # the kernels' general entry (the call above declined)
         out = decode_attention(query, key, value, np.arange(len(extents)), np.asarray(extents), scale)
@@ -210,7 +221,9 @@ def _causal_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return out
 
 
-_LIB.impl("attention", _attention_cpu, "CPU")
+# the Python kernel, until native_dispatch.install() puts the C++ one (same choices) in its place
+native_dispatch.PY_CPU.impl("attention", _attention_cpu)
+_LIB.impl("attention_general", _attention_general, "CPU")  # what the C++ kernel calls where its path declines
 _LIB.impl("causal_attention", _causal_attention_cpu, "CPU")
 _LIB.impl("mixed_attention", _mixed_attention_cpu, "CPU")
 torch.library.register_fake("bucketserve::attention", _attention_fake, lib=_LIB)

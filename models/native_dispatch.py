@@ -1,18 +1,19 @@
-"""The CPU kernels of `bucketserve::linear` and `bucketserve::gated_silu` in C++ (models/csrc/dispatch.cpp).
+"""The CPU kernels of `bucketserve::linear`, `gated_silu` and `attention` in C++ (models/csrc/dispatch.cpp).
 
-Why: a decode step calls these ops ~150 times (SmolLM2-135M: 121 linears and 30 MLPs). Registered as Python
-kernels, each call goes op -> dispatcher -> Python -> ctypes: 8.7 us against 1.7 us for a C++ kernel doing the same
-(one thread, AMD EPYC, a 32x16 weight). A 30-layer model with tiny weights, where a decode step is nothing but these
-costs, ran a step in 3.5 ms (Python kernels) against 2.5 ms (the C++ linear alone).
+Why: a decode step calls these ops ~180 times (SmolLM2-135M: 121 linears, 30 MLPs, 30 attentions). Registered as
+Python kernels, each call goes op -> dispatcher -> Python -> ctypes: a linear 8.7 us against 1.7 us for a C++
+kernel doing the same (one thread, AMD EPYC, a 32x16 weight). A 30-layer model with tiny weights, where a decode
+step is nothing but these costs, ran a step in 3.5 ms (Python kernels) against 2.5 ms (the C++ linear alone).
 
 How: the library is compiled once per machine, torch version and source with the C++ compiler against torch's
 headers (~7 s), kept beside the native kernels in the compile cache, and loaded with `torch.ops.load_library`.
-`install()` then swaps the op kernels: the Python ones (registered on PY_CPU by models/prepack.py and
-models/gated_mlp.py) are removed and the C++ ones registered; the packed weights' entries (models/prepack.py's
-Packed: oneDNN's copy and which native kernel each step size reads) are mirrored into the library as they are
-made and dropped as their weights are freed. The C++ kernels make the same choices as the Python ones, so the
-outputs are the same bits. Where the library cannot be built (no C++ compiler, no torch headers) the Python
-kernels stay, with a warning.
+`install()` then swaps the op kernels: the Python ones (registered on PY_CPU by models/prepack.py,
+models/gated_mlp.py and models/attention.py) are removed and the C++ ones registered; the packed weights' entries
+(models/prepack.py's Packed: oneDNN's copy and which native kernel each step size reads) are mirrored into the
+library as they are made and dropped as their weights are freed. The C++ kernels make the same choices as the
+Python ones, so the outputs are the same bits; where attention's one-call decode path declines, its C++ kernel
+calls the rest of the Python one (`bucketserve::attention_general`). Where the library cannot be built (no C++
+compiler, no torch headers) the Python kernels stay, with a warning.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ SOURCE = Path(__file__).with_name("csrc") / "dispatch.cpp"
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
 # The Python kernels the C++ ones replace (models/prepack.py, models/gated_mlp.py register on it).
 PY_CPU = torch.library.Library("bucketserve", "IMPL", "CPU")  # type: ignore[no-untyped-call]
-KERNELS = ("linear", "gated_silu")
+KERNELS = ("linear", "gated_silu", "attention")
 _LOCK = threading.Lock()
 _state: dict[str, bool] = {}  # "installed": the C++ kernels serve the ops (absent: install() not tried yet)
 
@@ -72,8 +73,8 @@ def _library() -> Path:
 
 
 def install() -> bool:
-    """Serve `bucketserve::linear` and `bucketserve::gated_silu` with the C++ kernels (once a process; needs the
-    native kernels loaded). True when they serve them; False (logged once) when the Python kernels stay."""
+    """Serve the ops in KERNELS with the C++ kernels (once a process; needs the native kernels loaded). True when
+    they serve them; False (logged once) when the Python kernels stay."""
     with _LOCK:
         if "installed" in _state:
             return _state["installed"]
@@ -88,12 +89,17 @@ def install() -> bool:
         lib = native_library.lib()
         address = ctypes.cast(lib.bucketserve_linear, ctypes.c_void_p).value
         gated = ctypes.cast(lib.bucketserve_gated_bf16, ctypes.c_void_p).value
+        attention = ctypes.cast(lib.bucketserve_decode_attention_masked, ctypes.c_void_p).value
         ops = torch.ops.bucketserve_dispatch
-        ops.bind(address, gated, native_library.openmp(), native_library.switch_address())
+        ops.bind(address, gated, attention, native_library.openmp(), native_library.switch_address())
+        # every module whose Python kernel is on PY_CPU, imported before it goes (they import this module)
+        import models.attention  # noqa: F401
+        import models.gated_mlp  # noqa: F401
+
         PY_CPU._destroy()  # type: ignore[no-untyped-call]  # first: one kernel per op and key, no override
         ops.install()
         _state["installed"] = True
-        log.info("bucketserve::linear and gated_silu run C++ kernels (%s)", SOURCE.name)
+        log.info("bucketserve::%s run C++ kernels (%s)", ", ".join(KERNELS), SOURCE.name)
         return True
 
 

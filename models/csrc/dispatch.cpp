@@ -1,5 +1,5 @@
-// The CPU kernels of bucketserve::linear and bucketserve::gated_silu in C++, so a step's ~150 calls of them skip
-// Python: registered through the Python op API (models/prepack.py, models/gated_mlp.py), each call went op ->
+// The CPU kernels of bucketserve::linear, gated_silu and attention in C++, so a decode step's ~180 calls of them skip
+// Python: registered through the Python op API (models/prepack.py, gated_mlp.py, attention.py), each went op ->
 // dispatcher -> Python kernel -> ctypes, ~8.7 us a call over a ~1.5 us C call (one thread, AMD EPYC); from C++
 // the whole call is ~1.7 us. Same choices as the Python kernels, which stay where this library cannot be built
 // (models/native_dispatch.py builds, loads and installs it).
@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
@@ -25,6 +26,10 @@ using LinearFn = int (*)(const void *x, const void *w, const float *s, void *y, 
                          int kind, int threads);
 using GatedFn = int (*)(const void *x, const void *wg, const float *sg, const void *wu, const float *su, void *y,
                         void *gate, int64_t m, int64_t n, int64_t k, int kind, int threads);
+using MaskedFn = int (*)(const void *q, const void *k, const void *v, void *out, const void *mask, int64_t mask_stride,
+                         int64_t cols, int width, int64_t rows, int64_t heads, int64_t groups, int64_t dim,
+                         int64_t s_slot, int64_t s_head, int64_t positions, float scale, int threads, int f32);
+constexpr int64_t MAX_GROUPS = 16, MAX_HEAD_DIM = 256;  // models/native.py's (decode_attention.c's MAX_G, 16 * MAX_C)
 
 // What a step of some rows reads: models/prepack.py's Kernel tuple (kind, weight copy, scales); kind -1 for none.
 struct Kernel {
@@ -50,6 +55,7 @@ std::mutex mutex;  // entries change at packing and when a weight is freed (any 
 std::unordered_map<int64_t, Entry> entries;  // by the plain weight's address
 LinearFn linear_fn = nullptr;
 GatedFn gated_fn = nullptr;
+MaskedFn masked_fn = nullptr;
 bool parallel = false;  // the kernels were built with OpenMP
 const volatile int *switched_on = nullptr;  // models/native_library.py's switch (--no-native-kernels): 1 on
 std::unique_ptr<torch::Library> installed;  // the CPU kernels' registration, made by install()
@@ -143,10 +149,48 @@ at::Tensor gated_kernel(const at::Tensor &x, const at::Tensor &gate, const std::
     return at::mul(at::silu(linear_kernel(x, gate, gate_bias)), linear_kernel(x, up, up_bias));
 }
 
-// The kernels' entries (models/csrc/linear.c, by address), how they were built, and where the switch lives.
-void bind(int64_t linear_address, int64_t gated_address, bool openmp, int64_t switch_address) {
+// native._decode_takes: query [R, H_kv, G, D], key/value [S, H_kv, C, D] with the same strides, positions contiguous,
+// all bf16 or all fp32, G <= MAX_GROUPS, D a multiple of 16 up to MAX_HEAD_DIM
+bool decode_takes(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
+    if (q.dim() != 4 || k.dim() != 4) return false;
+    const int64_t heads = q.size(1), groups = q.size(2), dim = q.size(3);
+    const auto dtype = q.scalar_type();
+    return (dtype == at::kBFloat16 || dtype == at::kFloat) && k.scalar_type() == dtype && v.scalar_type() == dtype &&
+           k.size(1) == heads && k.size(3) == dim && v.sizes() == k.sizes() && v.strides() == k.strides() &&
+           k.stride(3) == 1 && k.stride(2) == dim && groups >= 1 && groups <= MAX_GROUPS && dim % 16 == 0 &&
+           dim >= 16 && dim <= MAX_HEAD_DIM;
+}
+
+// query [b, H, q, D], key/value [b, H_kv, K, D], mask [b, 1, q, K] additive -> [b, H, q, D]: attention._attention_cpu.
+// Decode (one query, heads packed): native.decode_attention_masked's one C call; else `attention_general` (Python).
+at::Tensor attention_kernel(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
+                            const at::Tensor &mask, double scale) {
+    const int64_t rows = query.size(0);
+    if (mask.dim() == 4 && mask.size(2) == 1 && query.size(1) == key.size(1) && *switched_on && masked_fn != nullptr &&
+        mask.size(0) == rows && mask.stride(3) == 1 && key.size(0) >= rows && decode_takes(query, key, value)) {
+        const int t = threads();
+        if (t > 0) {
+            const at::Tensor q = query.contiguous();
+            at::Tensor out = at::empty_like(q);
+            if (masked_fn(q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), mask.data_ptr(),
+                          mask.stride(0), mask.size(3), static_cast<int>(mask.element_size()), rows, q.size(1),
+                          q.size(2), q.size(3), key.stride(0), key.stride(1), key.size(2), static_cast<float>(scale), t,
+                          q.scalar_type() == at::kFloat) == 0)
+                return out;
+        }
+    }
+    static const auto general = c10::Dispatcher::singleton().findSchemaOrThrow("bucketserve::attention_general", "");
+    torch::jit::Stack stack{query, key, value, mask, scale};
+    general.callBoxed(&stack);
+    return stack[0].toTensor();
+}
+
+// The kernels' entries (models/csrc/linear.c, decode_attention.c; by address), how they were built, and where the switch lives.
+void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, bool openmp,
+          int64_t switch_address) {
     linear_fn = reinterpret_cast<LinearFn>(linear_address);
     gated_fn = reinterpret_cast<GatedFn>(gated_address);
+    masked_fn = reinterpret_cast<MaskedFn>(attention_address);
     parallel = openmp;
     switched_on = reinterpret_cast<const volatile int *>(switch_address);
 }
@@ -178,12 +222,13 @@ void install() {
                                                  __FILE__, __LINE__);
     installed->impl("linear", TORCH_FN(linear_kernel));
     installed->impl("gated_silu", TORCH_FN(gated_kernel));
+    installed->impl("attention", TORCH_FN(attention_kernel));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(bucketserve_dispatch, m) {
-    m.def("bind(int linear, int gated, bool openmp, int switch) -> ()", &bind);
+    m.def("bind(int linear, int gated, int attention, bool openmp, int switch) -> ()", &bind);
     m.def("remember(int address, int n, int k, ScalarType dtype, Tensor onednn, int one_kind, int one_weight, "
           "int one_scales, int few_kind, int few_weight, int few_scales, int few_max) -> ()",
           &remember);

@@ -96,3 +96,54 @@ def test_a_freed_weight_is_forgotten_and_a_new_one_packed_later_is_known(install
     del layer
     gc.collect()
     assert native_dispatch.remembered() == before
+
+
+def _mask(extents: list[int], positions: int, dtype: torch.dtype, queries: int = 1, window: int = 0) -> torch.Tensor:
+    """[rows, 1, queries, positions] additive: row r attends [0, extents[r]) (with a window: its last `window`)."""
+    pos = torch.arange(positions)[None]
+    ext = torch.tensor(extents)[:, None]
+    seen = (pos < ext) & (pos >= ext - window) if window else pos < ext
+    mask = torch.where(seen, 0.0, float("-inf")).to(dtype).view(len(extents), 1, 1, positions)
+    return mask.expand(-1, -1, queries, -1).contiguous()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("on", [True, False])
+def test_attention_gives_the_python_kernels_bits(installed: None, dtype: torch.dtype, on: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode with heads packed (the one-call path; also over a KV bucket's view of the slot buffers), and what it
+    declines to the Python rest (`attention_general`): a sliding window, grouped heads unpacked, several queries."""
+    from models.attention import _attention_cpu
+
+    monkeypatch.setitem(native_library._switch, "on", on)
+    torch.manual_seed(8)
+    kv, groups, dim, positions, scale = 2, 3, 64, 64, 64 ** -0.5
+    k = torch.randn(4, kv, positions, dim).to(dtype)
+    v = torch.randn(4, kv, positions, dim).to(dtype)
+    packed = torch.randn(4, kv, groups, dim).to(dtype)
+    extents = [3, 40, 17, 64]
+    cases = {
+        "decode": (packed, k, v, _mask(extents, positions, dtype)),
+        "kv bucket": (packed[:3], k[:, :, :32], v[:, :, :32], _mask([5, 32, 17], 32, dtype)),
+        "window": (packed, k, v, _mask(extents, positions, dtype, window=8)),
+        "grouped": (torch.randn(4, kv * groups, 1, dim).to(dtype), k, v, _mask(extents, positions, dtype)),
+        "queries": (torch.randn(4, kv, 4, dim).to(dtype), k, v, _mask(extents, positions, dtype, queries=4)),
+    }
+    import models.attention as attention_module
+
+    general: list[str] = []  # the cases the C++ kernel handed to the Python rest (which scans the mask first)
+    real_extents = attention_module._extents
+
+    def watched(mask: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+        general.append(current)
+        return real_extents(mask)
+
+    monkeypatch.setattr(attention_module, "_extents", watched)
+    for current, (q, key, value, mask) in cases.items():
+        got = torch.ops.bucketserve.attention(q, key, value, mask, scale)
+        assert torch.equal(got, _attention_cpu(q, key, value, mask, scale)), current
+    # both kernels ran (C++ first), so each general case shows up twice; the one-call cases only for Python's own
+    # declines (switched off)
+    one_call = [] if on else ["decode", "decode", "kv bucket", "kv bucket"]
+    assert sorted(general) == sorted(one_call + ["window"] * 2 + ["grouped"] * 2 + ["queries"] * 2)

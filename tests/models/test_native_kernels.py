@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import models.attention as attention_module
 from models import native, native_library, native_matmul
 from models.attention import mixed_plan, packed_sdpa
 from models.prepack import linear_cpu, prepack
@@ -112,6 +113,8 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     for name in ("decode_attention", "decode_attention_masked"):
         monkeypatch.setattr(f"models.attention.{name}", counting(name))
+    # the op's Python kernel, which these tests watch (its C++ one chooses alike: tests/models/test_native_dispatch.py)
+    monkeypatch.setattr(torch.ops.bucketserve, "attention", attention_module._attention_cpu)
     return calls
 
 
