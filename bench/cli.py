@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--url", default="", help=f"a running OpenAI-compatible server (default {DEFAULT_URL})")
     g.add_argument("--compare", default="", help="start these servers in turn: bucketserve,transformers,llama")
+    g.add_argument("--interleave", action="store_true",
+                   help="with --compare: start every server first, then run each level and TTFT probe on every "
+                        "server in turn, so drift in the machine's speed moves all engines' figures alike")
     g.add_argument("--model", default=modelfiles.DEFAULT_MODEL, help="weights for --compare (dir, .gguf or 'default')")
     g.add_argument("--hf-model", default="", help="HF checkpoint for transformers (default: from --model)")
     g.add_argument("--llama-server", default="", help="llama.cpp llama-server binary (llama is skipped without)")
@@ -173,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         files = modelfiles.resolve(args.model, args.llama_model, args.hf_model)
         ctx = spec.max_prompt_len + output_bound(spec.output_len) + 16
         comparison = Comparison(args, files, cache, ctx)
-        targets = run_compare(names, comparison, opts, out_dir, make_prompts, args.ready_timeout)
+        targets = run_compare(names, comparison, opts, out_dir, make_prompts, args.ready_timeout,
+                              interleave=args.interleave)
     else:
         url = (args.url or DEFAULT_URL).rstrip("/")
         try:

@@ -1,16 +1,19 @@
-"""--compare: start each server in turn on the same weights and threads, run the same workload, stop it."""
+"""--compare: start each server in turn on the same weights and threads, run the same workload, stop it; or
+(--interleave) start them all, then let them take turns level by level and probe by probe, so that a machine
+whose speed drifts over minutes (a shared host) moves every engine's figures alike and the ratios hold."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import shlex
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
 from bench import modelfiles
 from bench.prompts import Prompt, TokenizerError
-from bench.runner import RunOptions, TargetRun, failed_target, run_target
+from bench.runner import RunOptions, TargetRun, TargetSession, failed_target, run_target
 from bench.servers import (
     KNOWN,
     RunningServer,
@@ -125,6 +128,33 @@ class Comparison:
         return llama_command(binary, self.files.gguf, threads, parallel, self.max_ctx, self._extra("llama"))
 
 
+_TARGET_ERRORS = (ServerError, modelfiles.ModelError, TokenizerError, OSError, ValueError)
+
+
+def _start(name: str, cmds: list[ServerCommand], out_dir: Path, ready_timeout: float, stack: ExitStack,
+           log: Callable[[str], None]) -> tuple[RunningServer | ServerGroup, float]:
+    """Start target `name`'s servers (stopped when `stack` closes) and wait until they are ready: the server (or
+    group of replicas) and the seconds to ready. Raises one of _TARGET_ERRORS."""
+    group = stack.enter_context(ServerGroup([]))  # stops whatever of it started, whatever happens
+    for cmd in cmds:
+        log(f"[bench] starting {cmd.name}: {shlex.join(cmd.argv)}")
+        group.servers.append(RunningServer(cmd, out_dir / "logs" / f"{cmd.name}.log"))
+    ready = group.wait_ready(ready_timeout)
+    log(f"[bench] {name} ready after {ready:.1f} s")
+    return (group.servers[0] if len(group.servers) == 1 else group), ready
+
+
+def _skipped(name: str, exc: SkipServer, log: Callable[[str], None]) -> TargetRun:
+    log(f"[bench] skipping {name}: {exc}")
+    run = failed_target(name, "", f"skipped: {exc}")
+    run.summary["skipped"] = True
+    return run
+
+
+def _replicas(server: RunningServer | ServerGroup) -> tuple[str, ...]:
+    return tuple(server.urls[1:]) if isinstance(server, ServerGroup) else ()
+
+
 def run_compare(
     names: list[str],
     comparison: Comparison,
@@ -133,7 +163,12 @@ def run_compare(
     make_prompts: PromptFactory,
     ready_timeout: float,
     log: Callable[[str], None] = print,
+    interleave: bool = False,
 ) -> list[TargetRun]:
+    """Each target started, run through every level and probe, and stopped, one after another; or with
+    `interleave`, see run_interleaved."""
+    if interleave:
+        return run_interleaved(names, comparison, opts, out_dir, make_prompts, ready_timeout, log)
     targets: list[TargetRun] = []
     prompts: list[Prompt] | None = None
     probes: list[Prompt] = []
@@ -142,24 +177,76 @@ def run_compare(
         try:
             cmds = comparison.commands(name)
             url = cmds[0].url
-            with ServerGroup([]) as group:  # stops whatever of it started, whatever happens
-                for cmd in cmds:
-                    log(f"[bench] starting {cmd.name}: {shlex.join(cmd.argv)}")
-                    group.servers.append(RunningServer(cmd, out_dir / "logs" / f"{cmd.name}.log"))
-                servers = group.servers
-                ready = group.wait_ready(ready_timeout)
-                log(f"[bench] {name} ready after {ready:.1f} s")
+            with ExitStack() as stack:
+                server, ready = _start(name, cmds, out_dir, ready_timeout, stack, log)
                 if prompts is None:
                     prompts, probes = make_prompts(url, comparison.local_tokenizer)
-                server: RunningServer | ServerGroup = servers[0] if len(servers) == 1 else group
-                run = run_target(name, url, prompts, opts, server, ready, probes, replicas=tuple(group.urls[1:]))
+                run = run_target(name, url, prompts, opts, server, ready, probes, replicas=_replicas(server))
                 log(f"[bench] {name} done" + (f": {run.summary['error']}" if run.summary.get("error") else ""))
             targets.append(run)
         except SkipServer as exc:
-            log(f"[bench] skipping {name}: {exc}")
-            targets.append(failed_target(name, url, f"skipped: {exc}"))
-            targets[-1].summary["skipped"] = True
-        except (ServerError, modelfiles.ModelError, TokenizerError, OSError, ValueError) as exc:
+            targets.append(_skipped(name, exc, log))
+        except _TARGET_ERRORS as exc:
             log(f"[bench] {name} failed: {exc}")
             targets.append(failed_target(name, url, str(exc)))
     return targets
+
+
+def run_interleaved(
+    names: list[str],
+    comparison: Comparison,
+    opts: RunOptions,
+    out_dir: Path,
+    make_prompts: PromptFactory,
+    ready_timeout: float,
+    log: Callable[[str], None] = print,
+) -> list[TargetRun]:
+    """Every server started (one after another, each ready before the next starts, so start-up times are
+    measured on an otherwise idle machine) and warmed; then each level is run by every target in turn, the
+    order reversed every other level, and the TTFT probes likewise one prompt at a time; then all are stopped.
+    Idle servers wait on their sockets. A target that fails leaves the rotation and is reported failed."""
+    done: dict[str, TargetRun] = {}
+    sessions: list[TargetSession] = []
+    prompts: list[Prompt] | None = None
+    probes: list[Prompt] = []
+
+    def guarded(session: TargetSession, what: str, fn: Callable[..., object], *args: object) -> None:
+        try:
+            fn(*args)
+        except _TARGET_ERRORS as exc:
+            log(f"[bench] {session.name} failed during {what}: {exc}")
+            done[session.name] = failed_target(session.name, session.base_url, f"{what}: {exc}")
+            sessions.remove(session)
+
+    with ExitStack() as stack:  # stops every server it started, whatever happens
+        for name in names:
+            url = ""
+            try:
+                cmds = comparison.commands(name)
+                url = cmds[0].url
+                server, ready = _start(name, cmds, out_dir, ready_timeout, stack, log)
+                if prompts is None:
+                    prompts, probes = make_prompts(url, comparison.local_tokenizer)
+                session = TargetSession(name, url, prompts, opts, server, ready, _replicas(server))
+                sessions.append(session)
+                guarded(session, "the first requests", session.begin)
+                if session in sessions:
+                    session.notes.append("levels and TTFT probes interleaved with the other targets")
+            except SkipServer as exc:
+                done[name] = _skipped(name, exc, log)
+            except _TARGET_ERRORS as exc:
+                log(f"[bench] {name} failed: {exc}")
+                done[name] = failed_target(name, url, str(exc))
+        for i, c in enumerate(opts.concurrency):
+            for session in list(sessions if i % 2 == 0 else reversed(sessions)):
+                log(f"[bench] {session.name}: concurrency {c}")
+                guarded(session, f"concurrency {c}", session.run_level, c)
+        for j, prompt in enumerate(probes):
+            for session in list(sessions if j % 2 == 0 else reversed(sessions)):
+                guarded(session, "the TTFT probes", session.probe, prompt)
+        for session in list(sessions):
+            guarded(session, "the final scrape", lambda s: done.__setitem__(s.name, s.finish()), session)
+            if session.name in done:
+                log(f"[bench] {session.name} done" + (f": {done[session.name].summary['error']}"
+                                                      if done[session.name].summary.get("error") else ""))
+    return [done[name] for name in names if name in done]

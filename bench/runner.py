@@ -100,17 +100,106 @@ def probe_mode(
                      f"trying {formats[fi]}/{eos_modes[ei]}")
 
 
-def ttft_probe(base_url: str, probes: list[Prompt], mode: ApiMode, opts: RunOptions,
-               headers: dict[str, str]) -> dict[str, float | None]:
-    """Median TTFT (seconds) of single requests, one at a time, per probe prompt length (each probe prompt
-    is sent once; repeats are distinct prompts of the same length)."""
-    times: dict[str, list[float]] = {}
-    for prompt in probes:
-        res = send_one(base_url, prompt, mode, opts.timeout, headers)
-        got = times.setdefault(str(len(prompt.ids)), [])
-        if res.ok and res.ttft is not None:
-            got.append(res.ttft)
-    return {n: statistics.median(t) if t else None for n, t in times.items()}
+def _probe_one(base_url: str, prompt: Prompt, mode: ApiMode, opts: RunOptions, headers: dict[str, str],
+               times: dict[str, list[float]]) -> None:
+    """One TTFT probe: a single request, nothing else in flight; its TTFT joins those of its prompt length
+    (the report gives their median; repeats are distinct prompts of the same length)."""
+    res = send_one(base_url, prompt, mode, opts.timeout, headers)
+    got = times.setdefault(str(len(prompt.ids)), [])
+    if res.ok and res.ttft is not None:
+        got.append(res.ttft)
+
+
+class TargetSession:
+    """One target's benchmark in phases, so that several targets' levels and probes can take turns
+    (`bench.compare.run_compare(interleave=True)`): `begin` (API probe, warm-up), `run_level` per concurrency,
+    `probe` per TTFT probe prompt, `finish` (metrics, summary). `run_target` runs them in order."""
+
+    def __init__(self, name: str, base_url: str, prompts: list[Prompt], opts: RunOptions,
+                 server: RunningServer | ServerGroup | None = None, ready_seconds: float | None = None,
+                 replicas: tuple[str, ...] = ()) -> None:
+        self.name, self.base_url, self.prompts, self.opts = name, base_url, prompts, opts
+        self.server, self.ready_seconds = server, ready_seconds
+        self.headers = dict(opts.headers)
+        self.urls = (base_url, *replicas)
+        self.runs: list[LevelRun] = []
+        self.cpu: list[float | None] = []
+        self.probe_times: dict[str, list[float]] = {}
+        self.ok = False
+
+    def begin(self) -> None:
+        """Scrape the metrics before, find the request shape, send the warm-up requests."""
+        opts, headers, base_url = self.opts, self.headers, self.base_url
+        self.before = scr.scrape_all(self.urls, headers)
+        model = opts.served_model or discover_model(base_url, headers)
+        self.mode, first, notes = probe_mode(base_url, self.prompts[0], opts, model)
+        mode = self.mode
+        self.notes = notes
+        self.summary: dict[str, Any] = {
+            "name": self.name,
+            "url": base_url,
+            "is_bucketserve": self.before.is_bucketserve,
+            "api": {"endpoint": mode.endpoint, "prompt_format": mode.prompt_format, "eos": mode.eos, "model": model},
+            "notes": notes,
+            "startup": {
+                "ready_seconds": self.ready_seconds,  # process start -> /ready (or /health) 200; None if not ours
+                "warmup_seconds_metric": self.before.warmup_seconds,  # bucketserve_warmup_seconds
+                "first_request_seconds": first.e2e,
+            },
+            "error": None,
+        }
+        if mode.prompt_format == "text" and any(p.text_tokens != len(p.ids) for p in self.prompts):
+            notes.append("some text prompts tokenize to one token more than planned (no exact prefix)")
+        if mode.endpoint == "chat":
+            notes.append("chat endpoint: prompts go through the chat template, so prompt lengths are not exact")
+        if mode.eos == "none" and opts.ignore_eos:
+            notes.append("server accepts no way to ignore EOS: outputs may be shorter than max_tokens")
+        if not first.ok:
+            self.summary["error"] = f"first request failed: {first.error} {first.detail}"
+            return
+        self.ok = True
+        for prompt in self.prompts[1 : opts.warmup_requests]:
+            send_one(base_url, prompt, mode, opts.timeout, headers)
+        for url in self.urls[1:]:  # each replica's first request, untimed
+            send_one(url, self.prompts[0], mode, opts.timeout, headers)
+
+    def run_level(self, concurrency: int) -> None:
+        """One closed-loop level over every prompt (nothing when the first request failed)."""
+        if not self.ok:
+            return
+        server, opts = self.server, self.opts
+        cpu_before = server.cpu_seconds() if server is not None else None
+        run = run_level_sync(list(self.urls), self.prompts, self.mode, concurrency, timeout=opts.timeout,
+                             max_seconds=opts.max_seconds, headers=self.headers)
+        cpu_after = server.cpu_seconds() if server is not None else None
+        # CPU-seconds the server used per second of wall time: an engine quietly using a second core shows.
+        ok = cpu_before is not None and cpu_after is not None and run.wall_seconds > 0
+        self.cpu.append((cpu_after - cpu_before) / run.wall_seconds if ok else None)  # type: ignore[operator]
+        self.runs.append(run)
+        if not run.issued_all:
+            self.notes.append(f"concurrency {concurrency}: time limit reached after {len(run.results)} of "
+                              f"{len(self.prompts)} requests")
+
+    def probe(self, prompt: Prompt) -> None:
+        """One TTFT probe request (a single request, nothing else in flight)."""
+        if self.ok:
+            _probe_one(self.base_url, prompt, self.mode, self.opts, self.headers, self.probe_times)
+
+    def finish(self) -> TargetRun:
+        """Scrape the metrics after; the target's summary."""
+        summary = self.summary
+        if self.probe_times:
+            summary["ttft_probe"] = {n: statistics.median(t) if t else None for n, t in self.probe_times.items()}
+        after = scr.scrape_all(self.urls, self.headers)
+        summary["recompilations"] = scr.delta(self.before.recompilations, after.recompilations)
+        summary["serving_compilations"] = scr.delta(self.before.serving_compilations, after.serving_compilations)
+        server = self.server
+        summary["peak_rss_bytes"] = server.peak_rss_bytes() if server is not None else None
+        summary["peak_rss_tree_bytes"] = server.peak_rss_bytes(tree=True) if server is not None else None
+        summary["levels"] = [_level_summary(run) for run in self.runs]
+        for level, used in zip(summary["levels"], self.cpu):
+            level["server_cpu_per_second"] = used
+        return TargetRun(self.name, self.base_url, summary, self.runs)
 
 
 def run_target(
@@ -125,62 +214,13 @@ def run_target(
 ) -> TargetRun:
     """`replicas`: more URLs of the same model (data parallel); the levels spread their clients over
     base_url and these, and their metrics are summed."""
-    headers = dict(opts.headers)
-    urls = (base_url, *replicas)
-    before = scr.scrape_all(urls, headers)
-    model = opts.served_model or discover_model(base_url, headers)
-    mode, first, notes = probe_mode(base_url, prompts[0], opts, model)
-    summary: dict[str, Any] = {
-        "name": name,
-        "url": base_url,
-        "is_bucketserve": before.is_bucketserve,
-        "api": {"endpoint": mode.endpoint, "prompt_format": mode.prompt_format, "eos": mode.eos, "model": model},
-        "notes": notes,
-        "startup": {
-            "ready_seconds": ready_seconds,  # process start -> /ready (or /health) 200; None when not started here
-            "warmup_seconds_metric": before.warmup_seconds,  # bucketserve_warmup_seconds
-            "first_request_seconds": first.e2e,
-        },
-        "error": None,
-    }
-    if mode.prompt_format == "text" and any(p.text_tokens != len(p.ids) for p in prompts):
-        notes.append("some text prompts tokenize to one token more than planned (no exact prefix)")
-    if mode.endpoint == "chat":
-        notes.append("chat endpoint: prompts go through the chat template, so prompt lengths are not exact")
-    if mode.eos == "none" and opts.ignore_eos:
-        notes.append("server accepts no way to ignore EOS: outputs may be shorter than max_tokens")
-    runs: list[LevelRun] = []
-    if not first.ok:
-        summary["error"] = f"first request failed: {first.error} {first.detail}"
-    else:
-        for prompt in prompts[1 : opts.warmup_requests]:
-            send_one(base_url, prompt, mode, opts.timeout, headers)
-        for url in replicas:  # each replica's first request, untimed
-            send_one(url, prompts[0], mode, opts.timeout, headers)
-        cpu: list[float | None] = []
-        for c in opts.concurrency:
-            cpu_before = server.cpu_seconds() if server is not None else None
-            run = run_level_sync(
-                list(urls), prompts, mode, c, timeout=opts.timeout, max_seconds=opts.max_seconds, headers=headers
-            )
-            cpu_after = server.cpu_seconds() if server is not None else None
-            # CPU-seconds the server used per second of wall time: an engine quietly using a second core shows.
-            ok = cpu_before is not None and cpu_after is not None and run.wall_seconds > 0
-            cpu.append((cpu_after - cpu_before) / run.wall_seconds if ok else None)  # type: ignore[operator]
-            runs.append(run)
-            if not run.issued_all:
-                notes.append(f"concurrency {c}: time limit reached after {len(run.results)} of {len(prompts)} requests")
-        if probes:
-            summary["ttft_probe"] = ttft_probe(base_url, probes, mode, opts, headers)
-    after = scr.scrape_all(urls, headers)
-    summary["recompilations"] = scr.delta(before.recompilations, after.recompilations)
-    summary["serving_compilations"] = scr.delta(before.serving_compilations, after.serving_compilations)
-    summary["peak_rss_bytes"] = server.peak_rss_bytes() if server is not None else None
-    summary["peak_rss_tree_bytes"] = server.peak_rss_bytes(tree=True) if server is not None else None
-    summary["levels"] = [_level_summary(run) for run in runs]
-    for level, used in zip(summary["levels"], cpu if first.ok else []):
-        level["server_cpu_per_second"] = used
-    return TargetRun(name, base_url, summary, runs)
+    session = TargetSession(name, base_url, prompts, opts, server, ready_seconds, replicas)
+    session.begin()
+    for c in opts.concurrency:
+        session.run_level(c)
+    for prompt in probes or ():
+        session.probe(prompt)
+    return session.finish()
 
 
 def _level_summary(run: LevelRun) -> dict[str, Any]:

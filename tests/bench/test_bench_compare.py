@@ -12,7 +12,7 @@ from bench.compare import Comparison, SkipServer, batch_buckets_up_to, output_bo
 from bench.modelfiles import ModelFiles, resolve
 from bench.prompts import Prompt
 from bench.report import document, markdown, ratio_lines
-from bench.runner import RunOptions
+from bench.runner import RunOptions, TargetSession
 from bench.servers import (
     RunningServer,
     ServerCommand,
@@ -161,6 +161,53 @@ def test_compare_flow_on_two_fakes(tmp_path: Path) -> None:
     headline = text[text.index("## Headline"):text.index("## Start-up")]
     assert "TTFT p50 ms at 32 tokens" in headline and "| bucketserve / vllm |" in headline
     assert (tmp_path / "logs" / "bucketserve.log").exists()
+
+
+def test_interleaved_compare_takes_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--interleave: every server is up before the first level; each level and each TTFT probe then runs on every
+    target in turn, the order reversed every other time; a target that fails leaves the rotation."""
+    import argparse
+
+    calls: list[tuple[str, object]] = []
+    messages: list[str] = []
+    level, probe = TargetSession.run_level, TargetSession.probe
+
+    def run_level(self: TargetSession, c: int) -> None:
+        calls.append((self.name, c))
+        if self.name == "transformers" and c == 2:
+            raise OSError("connection reset")
+        level(self, c)
+
+    def probe_one(self: TargetSession, prompt: Prompt) -> None:
+        calls.append((self.name, f"probe {prompt.index}"))
+        probe(self, prompt)
+
+    monkeypatch.setattr(TargetSession, "run_level", run_level)
+    monkeypatch.setattr(TargetSession, "probe", probe_one)
+
+    def make_prompts(url: str, local: str | None) -> tuple[list[Prompt], list[Prompt]]:
+        probes = [Prompt(-1 - i, f"probe{i}", tuple(range(32)), 2, 32) for i in range(2)]
+        return [Prompt(i, f"p{i}", tuple(range(20 + 40 * i)), 3, 20 + 40 * i) for i in range(4)], probes
+
+    comp = FakeComparison(argparse.Namespace(threads=1), ModelFiles("default", None, None), tmp_path, 512)
+    targets = run_compare(["bucketserve", "vllm", "transformers", "llama"], comp, RunOptions(concurrency=(1, 2, 3)),
+                          tmp_path, make_prompts, 30, log=messages.append, interleave=True)
+    assert [t.name for t in targets] == ["bucketserve", "vllm", "transformers", "llama"]
+    first_level = next(i for i, m in enumerate(messages) if "concurrency" in m)
+    assert sum("ready after" in m for m in messages[:first_level]) == 3  # all three up before any level
+    assert calls == [("bucketserve", 1), ("vllm", 1), ("transformers", 1),
+                     ("transformers", 2), ("vllm", 2), ("bucketserve", 2),  # transformers fails here and leaves
+                     ("bucketserve", 3), ("vllm", 3),
+                     ("bucketserve", "probe -1"), ("vllm", "probe -1"), ("vllm", "probe -2"), ("bucketserve", "probe -2")]
+    for t in targets[:2]:
+        assert t.ok and [lv["completed"] for lv in t.summary["levels"]] == [4, 4, 4]
+        assert t.summary["ttft_probe"]["32"] > 0 and t.summary["startup"]["ready_seconds"] > 0
+        assert any("interleaved" in note for note in t.summary["notes"])
+    assert "concurrency 2: connection reset" in targets[2].summary["error"]
+    assert targets[3].summary.get("skipped")
+    assert [(r["target"], r["concurrency"]) for r in document({"workload": {}, "concurrency": [1, 2, 3]},
+                                                              targets)["ratios"]] == [("vllm", 1), ("vllm", 2),
+                                                                                     ("vllm", 3)]
 
 
 def test_vllm_gets_the_same_threads_seqs_and_dtype(tmp_path: Path) -> None:
