@@ -9,9 +9,17 @@ by batch bucket from --decode-ms (`python scripts/bench_decode.py --batches 1,4,
 The defaults are bf16 figures of an AMD EPYC core (2 vCPUs, AVX512-BF16, no AMX), session 35. The simulation leaves
 out the host's HTTP, tokenizer and event-loop work: on that machine its tokens/s came out 13-17% above the served
 `bucketserve bench` figures of the same session at 4-16 clients, and it ordered mixed budgets of 128 and 256 tokens
-as the served runs did (level). Check a difference it predicts with served runs before relying on it.
+as the served runs did (level). Most of that gap is what the steps cost under load, not the host's work: with the
+costs of a served trace (`--trace`, below) it came within 2-2.5% of the served runs it was taken from (2026-12-05:
+146.9 against 143.9 tok/s at 16 clients, 140.6 against 137.3 at 8). Check a difference it predicts with served
+runs before relying on it.
+
+`--trace FILE` takes the costs from a served run instead (`scripts/trace_steps.py`: the median of each step kind
+and bucket the trace holds, over the default costs where it holds none): the same replay with what the steps
+cost under load, where prompt pieces sit at later offsets and decoding rows at longer positions than alone.
 
 Usage: python scripts/simulate_schedule.py [--dtype bfloat16] [--concurrency 1,4,8,16] [--mixed-budget 128,256]
+    [--trace FILE]
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +125,22 @@ def least_seconds(costs: Costs, rows: int, prompt_tokens: int, decode_tokens: in
     return best / 1e3
 
 
+def traced_costs(path: Path, mixed: dict[int, float], decode: dict[int, float]) -> Costs:
+    """Median ms of each mixed token bucket and decode batch bucket in a scripts/trace_steps.py trace, over
+    `mixed` and `decode` where the trace has no step of that bucket. A step's seconds there include its sampling
+    and token delivery, so HOST_MS is subtracted."""
+    seen: dict[tuple[str, int], list[float]] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "MixedStep":
+            seen.setdefault(("mixed", rec["tokens"]), []).append((rec["t1"] - rec["t0"]) * 1e3)
+        elif rec["kind"] == "DecodeStep":
+            seen.setdefault(("decode", rec["batch"]), []).append((rec["t1"] - rec["t0"]) * 1e3)
+    median = {key: statistics.median(ms) - HOST_MS for key, ms in seen.items()}
+    return Costs({t: median.get(("mixed", t), ms) for t, ms in mixed.items()},
+                 {b: median.get(("decode", b), ms) for b, ms in decode.items()})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -128,21 +153,26 @@ def main() -> int:
                         help="decode step ms by batch bucket, e.g. 1:17,4:18,8:21,16:35")
     parser.add_argument("--mixed-budget", default="",
                         help="comma-separated mixed budgets to compare (tokens a step carries while rows decode)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="step costs from a served run's trace (scripts/trace_steps.py) where it has them")
     args = parser.parse_args()
 
     measured = RESULTS / f"bench-mixed-{args.dtype}.json"
     mixed = {int(t): float(ms) for t, ms in json.loads(measured.read_text())["ms"].items()} if measured.exists() \
         else dict(MIXED_MS)
     decode = {int(b): float(ms) for b, ms in (pair.split(":") for pair in args.decode_ms.split(","))}
-    costs = Costs(mixed, decode)
+    costs = traced_costs(args.trace, mixed, decode) if args.trace else Costs(mixed, decode)
     spec = WorkloadSpec(parse_length_dist(args.prompt_len), parse_length_dist(f"fixed:{args.output_len}"),
                         args.num_requests, 0, args.max_prompt_len)
     prompts = [plan.prompt_len for plan in plan_requests(spec, 10 ** 6)]
     # The server's default CPU table (server/config.py) for a 2048-token model.
     table = BucketTable(lengths=(32, 64, 128, 256), batch_sizes=tuple(decode), prefill_batch_sizes=(1,),
                         context_length=2048, chunked_prefill=True, mixed_tokens=tuple(sorted(mixed)))
-    print(f"costs ({'measured: ' + str(measured) if measured.exists() else 'defaults'}): mixed {mixed}, "
-          f"decode {decode}; {len(prompts)} requests, {sum(prompts)} prompt tokens")
+    source = f"served trace {args.trace} over " if args.trace else ""
+    source += f"measured: {measured}" if measured.exists() else "defaults"
+    print(f"costs ({source}): mixed { {t: round(ms, 1) for t, ms in costs.mixed.items()} }, "
+          f"decode { {b: round(ms, 1) for b, ms in costs.decode.items()} }; {len(prompts)} requests, "
+          f"{sum(prompts)} prompt tokens")
     budgets = [int(b) for b in args.mixed_budget.split(",") if b] or [table.mixed_budget]
     for budget in budgets:
         with mock.patch.object(BucketTable, "mixed_budget", property(lambda _self, b=budget: b)):
