@@ -53,11 +53,12 @@ vllm-venv: $(VLLM_VENV)/.installed
 # The standard comparison: bucketserve against vLLM CPU, same dtype, one compute thread and 16 sequences each,
 # log-normal prompts up to 1024 tokens, 64 output tokens; the report's headline table has the ratios. Both
 # servers stay up and take turns level by level (--interleave): this machine's speed drifts by 10-15% over
-# minutes, which one engine after the other would read as a difference between them.
+# minutes, which one engine after the other would read as a difference between them. Every level runs twice
+# (--rounds 2; the report pools them and shows each): one level is only 32 requests, ~15 s.
 BENCH_DTYPE ?= bfloat16
 BENCH_FLAGS = --model default --threads 1 --max-num-seqs 16 --concurrency 1,4,8,16 --num-requests 32 \
 	  --prompt-len lognormal:median=128,sigma=1.0 --max-prompt-len 1024 --output-len fixed:64 \
-	  --ttft-probe 32,128,512,1024 --max-seconds-per-level 150 --interleave
+	  --ttft-probe 32,128,512,1024 --max-seconds-per-level 150 --interleave --rounds 2
 bench: setup vllm-venv
 	$(BIN)/bucketserve bench --compare bucketserve,vllm --dtype $(BENCH_DTYPE) $(BENCH_FLAGS) \
 	  --vllm-python $(VLLM_VENV)/bin/python --out results/bench-$(BENCH_DTYPE)

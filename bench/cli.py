@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--warmup-requests", type=int, default=1, help="untimed requests before the levels (>= 1)")
     w.add_argument("--request-timeout", type=float, default=600.0)
     w.add_argument("--max-seconds-per-level", type=float, default=0.0, help="stop issuing after this (0: none)")
+    w.add_argument("--rounds", type=int, default=1,
+                   help="run every level this many times (with --interleave: all levels, then all again); a "
+                        "level's figures pool its rounds, and the report gives each round's output tok/s")
     w.add_argument("--ttft-probe", default="", help="prompt lengths, e.g. 32,128,512,1024: after the levels, "
                    "TTFT of single requests at exactly these lengths (median of --ttft-probe-repeats)")
     w.add_argument("--ttft-probe-repeats", type=int, default=3)
@@ -160,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             served_model=args.served_model,
             headers=tuple(headers.items()),
+            rounds=args.rounds,
         )
         names = parse_names(args.compare) if args.compare else []
     except ValueError as exc:
@@ -192,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         "created": created.isoformat(timespec="seconds"),
         "command": sys.argv,
         "workload": spec.describe(),
+        "rounds": args.rounds,
         "concurrency": list(levels),
         "tokenizer": make_prompts.tokenizer_name,
         "threads": args.threads if names else None,

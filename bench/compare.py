@@ -202,8 +202,8 @@ def run_interleaved(
     log: Callable[[str], None] = print,
 ) -> list[TargetRun]:
     """Every server started (one after another, each ready before the next starts, so start-up times are
-    measured on an otherwise idle machine) and warmed; then each level is run by every target in turn, the
-    order reversed every other level, and the TTFT probes likewise one prompt at a time; then all are stopped.
+    measured on an otherwise idle machine) and warmed; then each level (each of opts.rounds times) is run by every
+    target in turn, the order reversed every other level, and the TTFT probes likewise one prompt at a time; then all are stopped.
     Idle servers wait on their sockets. A target that fails leaves the rotation and is reported failed."""
     done: dict[str, TargetRun] = {}
     sessions: list[TargetSession] = []
@@ -237,7 +237,8 @@ def run_interleaved(
             except _TARGET_ERRORS as exc:
                 log(f"[bench] {name} failed: {exc}")
                 done[name] = failed_target(name, url, str(exc))
-        for i, c in enumerate(opts.concurrency):
+        turns = [c for _ in range(opts.rounds) for c in opts.concurrency]
+        for i, c in enumerate(turns):
             for session in list(sessions if i % 2 == 0 else reversed(sessions)):
                 log(f"[bench] {session.name}: concurrency {c}")
                 guarded(session, f"concurrency {c}", session.run_level, c)

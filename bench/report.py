@@ -126,13 +126,25 @@ def headline_lines(doc: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _each(level: dict[str, Any]) -> str:
+    """A pooled level's rounds: ' (r1, r2, ...)' output tok/s each, or nothing for one round."""
+    each = level.get("round_output_tokens_per_s") or []
+    return f" ({', '.join(_f(x) for x in each)})" if len(each) > 1 else ""
+
+
+def _rounds(doc: dict[str, Any]) -> str:
+    rounds = int(doc.get("rounds") or 1)
+    return f" x {rounds} rounds (pooled)" if rounds > 1 else ""
+
+
 def markdown(doc: dict[str, Any]) -> str:
     w = doc.get("workload", {})
     lines = [
         f"# bucketserve bench — {doc.get('created', '')}",
         "",
         f"Workload: prompts {w.get('prompt_len')} (max {w.get('max_prompt_len')}), outputs {w.get('output_len')}, "
-        f"{w.get('num_requests')} requests per level, seed {w.get('seed')}; tokenizer {doc.get('tokenizer')}; "
+        f"{w.get('num_requests')} requests per level{_rounds(doc)}, seed {w.get('seed')}; "
+        f"tokenizer {doc.get('tokenizer')}; "
         f"threads {doc.get('threads') or 'default'}; dtype {doc.get('dtype') or 'each engine default'}.",
         "",
         *headline_lines(doc),
@@ -155,7 +167,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "## Steady state",
         "",
-        "Latencies p50 / p90 / p99. ITL: gaps between streamed tokens; TPOT: (E2E − TTFT) / (tokens − 1).",
+        "Latencies p50 / p90 / p99. ITL: gaps between streamed tokens; TPOT: (E2E − TTFT) / (tokens − 1)."
+        + (" Levels pool their rounds; out tok/s gives each round's in brackets." if _rounds(doc) else ""),
         "",
         "| server | conc | ok / sent | out tok/s | req/s | TTFT (ms) | ITL (ms) | TPOT p50 (ms) | E2E (s) | failures |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -165,7 +178,8 @@ def markdown(doc: dict[str, Any]) -> str:
             fails = ", ".join(f"{k}: {v}" for k, v in lv["failures"].items()) or "none"
             lines.append(
                 f"| {t['name']} | {lv['concurrency']} | {lv['completed']} / {lv['requests']} | "
-                f"{_f(lv['output_tokens_per_s'])} | {_f(lv['requests_per_s'], digits=2)} | {_pcts(lv['ttft'], 1e3)} | "
+                f"{_f(lv['output_tokens_per_s'])}{_each(lv)} | {_f(lv['requests_per_s'], digits=2)} | "
+                f"{_pcts(lv['ttft'], 1e3)} | "
                 f"{_pcts(lv['itl'], 1e3)} | {_f(lv['tpot'].get('p50'), 1e3)} | {_pcts(lv['e2e'], 1, 2)} | {fails} |"
             )
         if t.get("error"):

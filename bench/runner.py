@@ -31,10 +31,13 @@ class RunOptions:
     temperature: float = 0.0
     served_model: str = ""
     headers: tuple[tuple[str, str], ...] = ()
+    rounds: int = 1  # every level run this many times; a level's rounds are pooled in its figures
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency must be positive integers, got {list(self.concurrency)}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if self.max_seconds < 0:
@@ -196,10 +199,13 @@ class TargetSession:
         server = self.server
         summary["peak_rss_bytes"] = server.peak_rss_bytes() if server is not None else None
         summary["peak_rss_tree_bytes"] = server.peak_rss_bytes(tree=True) if server is not None else None
-        summary["levels"] = [_level_summary(run) for run in self.runs]
-        for level, used in zip(summary["levels"], self.cpu):
+        runs, cpu, rounds = _pooled(self.runs, self.cpu)
+        summary["levels"] = [_level_summary(run) for run in runs]
+        for level, used, each in zip(summary["levels"], cpu, rounds):
             level["server_cpu_per_second"] = used
-        return TargetRun(self.name, self.base_url, summary, self.runs)
+            if len(each) > 1:  # what each round alone made: the spread the pooled figure hides
+                level["round_output_tokens_per_s"] = each
+        return TargetRun(self.name, self.base_url, summary, runs)
 
 
 def run_target(
@@ -216,11 +222,33 @@ def run_target(
     base_url and these, and their metrics are summed."""
     session = TargetSession(name, base_url, prompts, opts, server, ready_seconds, replicas)
     session.begin()
-    for c in opts.concurrency:
-        session.run_level(c)
+    for _ in range(opts.rounds):
+        for c in opts.concurrency:
+            session.run_level(c)
     for prompt in probes or ():
         session.probe(prompt)
     return session.finish()
+
+
+def _pooled(runs: list[LevelRun], cpu: list[float | None]
+            ) -> tuple[list[LevelRun], list[float | None], list[list[float | None]]]:
+    """A level's rounds as one run (requests concatenated, wall seconds summed; CPU use weighted by wall time),
+    in the order the levels first ran; and each round's output tokens/s."""
+    order: list[int] = []
+    by_level: dict[int, list[tuple[LevelRun, float | None]]] = {}
+    for run, used in zip(runs, cpu):
+        if run.concurrency not in by_level:
+            order.append(run.concurrency)
+        by_level.setdefault(run.concurrency, []).append((run, used))
+    pooled, pooled_cpu, rounds = [], [], []
+    for c in order:
+        group = by_level[c]
+        wall = sum(r.wall_seconds for r, _ in group)
+        pooled.append(LevelRun(c, [res for r, _ in group for res in r.results], wall, all(r.issued_all for r, _ in group)))
+        weighted = [u * r.wall_seconds for r, u in group if u is not None]
+        pooled_cpu.append(sum(weighted) / wall if len(weighted) == len(group) and wall > 0 else None)
+        rounds.append([level_stats(r.results, r.wall_seconds, c)["output_tokens_per_s"] for r, _ in group])
+    return pooled, pooled_cpu, rounds
 
 
 def _level_summary(run: LevelRun) -> dict[str, Any]:

@@ -210,6 +210,43 @@ def test_interleaved_compare_takes_turns(tmp_path: Path, monkeypatch: pytest.Mon
                                                                                      ("vllm", 3)]
 
 
+def test_rounds_pool_each_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--rounds 2 with --interleave: all levels on every target in turn, then all again; a level's figures pool
+    both rounds (twice the requests), and each round's output tok/s is kept and shown."""
+    import argparse
+
+    calls: list[tuple[str, int]] = []
+    level = TargetSession.run_level
+
+    def run_level(self: TargetSession, c: int) -> None:
+        calls.append((self.name, c))
+        level(self, c)
+
+    monkeypatch.setattr(TargetSession, "run_level", run_level)
+
+    def make_prompts(url: str, local: str | None) -> tuple[list[Prompt], list[Prompt]]:
+        return [Prompt(i, f"p{i}", tuple(range(20 + 40 * i)), 3, 20 + 40 * i) for i in range(3)], []
+
+    comp = FakeComparison(argparse.Namespace(threads=1), ModelFiles("default", None, None), tmp_path, 512)
+    targets = run_compare(["bucketserve", "vllm"], comp, RunOptions(concurrency=(1, 2), rounds=2), tmp_path,
+                          make_prompts, 30, log=lambda _: None, interleave=True)
+    assert calls == [("bucketserve", 1), ("vllm", 1), ("vllm", 2), ("bucketserve", 2),
+                     ("bucketserve", 1), ("vllm", 1), ("vllm", 2), ("bucketserve", 2)]
+    for t in targets:
+        levels = t.summary["levels"]
+        assert [(lv["concurrency"], lv["completed"], lv["requests"]) for lv in levels] == [(1, 6, 6), (2, 6, 6)]
+        for lv in levels:
+            each = lv["round_output_tokens_per_s"]
+            assert len(each) == 2 and all(x > 0 for x in each)
+            # pooled: all tokens over both rounds' wall time, so between the rounds' own rates
+            assert min(each) - 1e-9 <= lv["output_tokens_per_s"] <= max(each) + 1e-9
+            assert lv["server_cpu_per_second"] >= 0
+    text = markdown(document({"workload": {"num_requests": 3}, "concurrency": [1, 2], "rounds": 2}, targets))
+    assert "3 requests per level x 2 rounds (pooled)" in text and "each round's in brackets" in text
+    with pytest.raises(ValueError, match="rounds"):
+        RunOptions(concurrency=(1,), rounds=0)
+
+
 def test_vllm_gets_the_same_threads_seqs_and_dtype(tmp_path: Path) -> None:
     v = vllm_command("/venv/bin/python", "/models/hf", 1, 16, 2048, "bfloat16", [], port=8126)
     assert v.argv[:3] == ("/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server")
