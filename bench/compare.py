@@ -202,9 +202,10 @@ def run_interleaved(
     log: Callable[[str], None] = print,
 ) -> list[TargetRun]:
     """Every server started (one after another, each ready before the next starts, so start-up times are
-    measured on an otherwise idle machine) and warmed; then each level (each of opts.rounds times) is run by every
-    target in turn, the order reversed every other level, and the TTFT probes likewise one prompt at a time; then all are stopped.
-    Idle servers wait on their sockets. A target that fails leaves the rotation and is reported failed."""
+    measured on an otherwise idle machine) and warmed; then each level (opts.rounds times over) is run by every
+    target in turn, the order reversed every other level, and the TTFT probes likewise one prompt at a time; then
+    all are stopped. Idle servers wait on their sockets. A target that fails leaves the rotation and is reported
+    failed."""
     done: dict[str, TargetRun] = {}
     sessions: list[TargetSession] = []
     prompts: list[Prompt] | None = None
