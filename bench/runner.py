@@ -103,16 +103,6 @@ def probe_mode(
                      f"trying {formats[fi]}/{eos_modes[ei]}")
 
 
-def _probe_one(base_url: str, prompt: Prompt, mode: ApiMode, opts: RunOptions, headers: dict[str, str],
-               times: dict[str, list[float]]) -> None:
-    """One TTFT probe: a single request, nothing else in flight; its TTFT joins those of its prompt length
-    (the report gives their median; repeats are distinct prompts of the same length)."""
-    res = send_one(base_url, prompt, mode, opts.timeout, headers)
-    got = times.setdefault(str(len(prompt.ids)), [])
-    if res.ok and res.ttft is not None:
-        got.append(res.ttft)
-
-
 class TargetSession:
     """One target's benchmark in phases, so that several targets' levels and probes can take turns
     (`bench.compare.run_compare(interleave=True)`): `begin` (API probe, warm-up), `run_level` per concurrency,
@@ -135,9 +125,8 @@ class TargetSession:
         opts, headers, base_url = self.opts, self.headers, self.base_url
         self.before = scr.scrape_all(self.urls, headers)
         model = opts.served_model or discover_model(base_url, headers)
-        self.mode, first, notes = probe_mode(base_url, self.prompts[0], opts, model)
-        mode = self.mode
-        self.notes = notes
+        mode, first, notes = probe_mode(base_url, self.prompts[0], opts, model)
+        self.mode, self.notes = mode, notes
         self.summary: dict[str, Any] = {
             "name": self.name,
             "url": base_url,
@@ -184,9 +173,14 @@ class TargetSession:
                               f"{len(self.prompts)} requests")
 
     def probe(self, prompt: Prompt) -> None:
-        """One TTFT probe request (a single request, nothing else in flight)."""
-        if self.ok:
-            _probe_one(self.base_url, prompt, self.mode, self.opts, self.headers, self.probe_times)
+        """One TTFT probe: a single request, nothing else in flight; its TTFT joins those of its prompt length
+        (the report gives their median; repeats are distinct prompts of the same length)."""
+        if not self.ok:
+            return
+        res = send_one(self.base_url, prompt, self.mode, self.opts.timeout, self.headers)
+        got = self.probe_times.setdefault(str(len(prompt.ids)), [])
+        if res.ok and res.ttft is not None:
+            got.append(res.ttft)
 
     def finish(self) -> TargetRun:
         """Scrape the metrics after; the target's summary."""
