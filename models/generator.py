@@ -63,7 +63,7 @@ def generate_one(
     token = sampler.sample(logits[0]).token_id
     result = GenerationResult([token], "length", time.perf_counter() - t0)
     tokens = torch.zeros(batch, dtype=torch.long)
-    positions = torch.zeros(batch, dtype=torch.long)
+    positions = torch.full((batch,), -1, dtype=torch.long)  # rows past the first: free slots
     pos = len(prompt_ids)
     while True:
         if token in stop_ids:

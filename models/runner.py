@@ -175,7 +175,8 @@ class ModelRunner:
         return self._run_prefill(batch, length, rows, commit=True)[: len(rows)]
 
     def decode(self, batch: int, tokens: torch.Tensor, positions: torch.Tensor, kv: int | None = None) -> torch.Tensor:
-        """tokens, positions: [batch] host tensors (row i = slot i; free slots carry token 0 at position 0).
+        """tokens, positions: [batch] host tensors (row i = slot i; a free slot carries token 0 at position -1:
+        its row is zeroed and computes nothing).
         `kv`: the KV-length bucket (None: the smallest covering max(positions) + 1). Returns logits [batch, V]."""
         if kv is None:
             kv = self.table.kv_for(int(positions.max()) + 1)
@@ -274,10 +275,12 @@ class ModelRunner:
                 not 0 <= s < self.storage.spare_slot for s in slots) or any(not 0 <= k < n for k in keep):
             raise ValueError("a mixed step's position, slot or logit row is out of range")
         pad = tokens - n
-        # [T] pad tokens: token 0 at position 0 of the spare slot (written there, never read).
+        # [T] pad tokens: token 0 at position 0 of the spare slot (written there, never read); position -1 for
+        # the model: their rows are zeroed and computed by no kernel that can skip them (mixed_step).
         ids_t = torch.tensor(ids + [0] * pad, dtype=torch.long).view(1, tokens)
         pos_t = torch.tensor(positions + [0] * pad, dtype=torch.long)
         meta = torch.stack([torch.tensor(slots + [self.storage.spare_slot] * pad, dtype=torch.long), pos_t], 1)
+        pos_t = torch.tensor(positions + [-1] * pad, dtype=torch.long)
         keep_t = torch.tensor(keep + [0] * (rows - len(keep)), dtype=torch.long)
         dev = self.device
         return self._call(key, self._mixed_caches[tokens], ids_t.to(dev), pos_t.view(1, tokens).to(dev),

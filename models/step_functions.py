@@ -42,10 +42,21 @@ def make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None) -
     def _decode_step(
         model: torch.nn.Module, cache: DecodeCache, input_ids: torch.Tensor, pos: torch.Tensor
     ) -> torch.Tensor:
-        """input_ids: [b, 1]; pos: [b] per-slot write positions (< cache.kv_length). Returns logits [b, V]."""
+        """input_ids: [b, 1]; pos: [b] per-slot write positions (< cache.kv_length), -1 for a row that computes
+        nothing (a free slot: it runs at position 0 with its hidden state zeroed). Returns logits [b, V].
+
+        Why zero a free row: from its embedding on, a zero row stays zero through a model without biases or
+        LayerNorm shifts (RMSNorm, rotary, attention over its one zero K/V, the MLP all map 0 to 0), and the CPU
+        kernels skip zero rows (models/csrc/dispatch.cpp): a batch bucket's free slots cost nearly nothing instead
+        of a full row each. Where a model does map 0 elsewhere the row is merely computed, as before."""
+        live = (pos >= 0).view(-1, 1, 1)  # [b, 1, 1]
+        pos = pos.clamp(min=0)
         cache.write_pos.copy_(pos)
         mask = decode_mask(pos, cache.kv_length, dtype, kinds, window)
-        out = model(input_ids=input_ids, position_ids=pos.view(-1, 1), attention_mask=mask, cache=cache, use_cache=True)
+        embeds = model.get_input_embeddings()(input_ids)  # [b, 1, hidden]
+        embeds = embeds * live.to(embeds.dtype)
+        out = model(inputs_embeds=embeds, position_ids=pos.view(-1, 1), attention_mask=mask, cache=cache,
+                    use_cache=True)
         logits: torch.Tensor = out.logits[:, -1]
         return logits
 
@@ -74,13 +85,17 @@ def make_chunk_step(dtype: torch.dtype, kinds: list[str], window: int | None) ->
 
 def mixed_step(model: torch.nn.Module, cache: MixedCache, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """input_ids, positions: [1, T] tokens of several slots on one axis; meta: [T, 2] (slot, position) per
-    token; keep: [R] indices of the tokens whose logits are wanted. Returns logits [R, V]. The meta tensor goes
-    in as the 4-D "mask" (transformers passes 4-D masks through untouched): the attention op reads it."""
+    """input_ids, positions: [1, T] tokens of several slots on one axis, position -1 for a padding token (its
+    hidden state is zeroed, as a decode step's free rows are: the CPU kernels skip it); meta: [T, 2] (slot,
+    position) per token; keep: [R] indices of the tokens whose logits are wanted. Returns logits [R, V]. The meta
+    tensor goes in as the 4-D "mask" (transformers passes 4-D masks through untouched): the attention op reads it
+    (and gives padding tokens, those of the spare slot, zeros)."""
     cache.meta.copy_(meta)
     mask = cache.meta.view(1, 1, -1, 2)
-    out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
-                logits_to_keep=keep)
+    embeds = model.get_input_embeddings()(input_ids)  # [1, T, hidden]
+    embeds = embeds * (positions >= 0).to(embeds.dtype).unsqueeze(-1)
+    out = model(inputs_embeds=embeds, position_ids=positions.clamp(min=0), attention_mask=mask, cache=cache,
+                use_cache=True, logits_to_keep=keep)
     logits: torch.Tensor = out.logits[0]
     return logits
 

@@ -196,12 +196,13 @@ class EngineModel:
             return StepLogits(logits, [0] if step.is_final else [])
         if isinstance(step, MixedStep):
             return self._run_mixed(step, prompt_of, t0)
-        # Row i of a decode batch is slot i; free slots run as dummies (token 0 at position 0). The inputs are
-        # written in place into preallocated host buffers (through their numpy views: no tensor per step).
+        # Row i of a decode batch is slot i; free slots run as dummies (token 0 at position -1: the graph zeroes
+        # them and the CPU kernels skip zero rows). The inputs are written in place into preallocated host
+        # buffers (through their numpy views: no tensor per step).
         b = step.batch
         tokens, positions = self._decode_tokens.numpy(), self._decode_positions.numpy()
         tokens[:b] = 0
-        positions[:b] = 0
+        positions[:b] = -1
         slots = [seq.slot for seq in step.seqs]
         tokens[slots] = [seq.last_token for seq in step.seqs]
         positions[slots] = [seq.position for seq in step.seqs]

@@ -82,6 +82,30 @@ def test_mixed_logits_equal_separate_prefill_and_decode(mixed) -> None:
     torch.testing.assert_close(both[1], prefill_alone[0], rtol=1e-4, atol=1e-4)
 
 
+def test_padding_tokens_of_a_mixed_step_are_zero_rows(mixed) -> None:
+    """The runner gives a mixed step's padding tokens position -1 and the step zeroes them (so the CPU kernels can
+    skip them): the logits at a padding token are zeros, and the real tokens' are what they are without the zeroing
+    (the step function run eagerly on the runner's inputs, keeping a padding token's row too)."""
+    from models.step_functions import mixed_step
+
+    runner, model = mixed
+    first = _prompt(9, 6)
+    runner.prefill([PrefillRow(1, first)], 8, 1)
+    cache = runner._mixed_caches[8]
+    ids = torch.tensor([[42, 0, 0, 0, 0, 0, 0, 0]])
+    meta = torch.tensor([[1, 6]] + [[runner.storage.spare_slot, 0]] * 7)
+    keep = torch.tensor([0, 5, 0, 0])
+    with torch.no_grad():
+        zeroed = mixed_step(model, cache, ids, torch.tensor([[6] + [-1] * 7]), meta, keep).clone()
+        runner.prefill([PrefillRow(1, first)], 8, 1)
+        plain = mixed_step(model, cache, ids, torch.tensor([[6] + [0] * 7]), meta, keep).clone()
+    assert torch.equal(zeroed[1], torch.zeros_like(zeroed[1]))
+    assert not torch.equal(plain[1], torch.zeros_like(plain[1]))
+    torch.testing.assert_close(zeroed[0], plain[0], rtol=0, atol=0)
+    served = runner.mixed(8, [42], [6], [1], [0])  # the runner pads the same way
+    torch.testing.assert_close(served[0], zeroed[0], rtol=1e-5, atol=1e-5)
+
+
 def test_mixed_step_refuses_what_does_not_fit(mixed) -> None:
     runner, _ = mixed
     with pytest.raises(ValueError):

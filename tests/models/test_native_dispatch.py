@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from models import native, native_dispatch, native_library, native_matmul
+from models import prepack as prepack_module
 from models.gated_mlp import _gated_cpu
 from models.prepack import dispatch_natively, linear_cpu, packed_count, prepack
 
@@ -82,6 +83,69 @@ def test_gated_silu_gives_the_python_kernels_bits(installed: None, on: bool, mon
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     args = (x, biased_gate.weight, biased_gate.bias, biased_up.weight, biased_up.bias)
     assert torch.equal(torch.ops.bucketserve.gated_silu(*args), _gated_cpu(*args))
+
+
+ROWS_APART = (native_matmul.TILED, native_matmul.TILED_F32, native_matmul.TILED_INT8)  # dispatch.cpp's rows_apart
+
+
+def _zeroed(x: torch.Tensor, pattern: str) -> torch.Tensor:
+    """x [rows, K] with some rows zeroed: the live rows leading (a decode batch's low slots busy), scattered (free
+    slots between busy ones; -0.0 counts as zero too), or none live."""
+    x = x.clone()
+    rows = x.shape[0]
+    if pattern == "leading":
+        x[rows // 2:] = 0
+    elif pattern == "scattered":
+        x[1::3] = 0
+        x[2::5] = -0.0
+    else:
+        x[:] = 0
+    return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,quantize", [(torch.bfloat16, "none"), (torch.float32, "none"),
+                                            (torch.bfloat16, "int8")])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("pattern", ["leading", "scattered", "none live"])
+def test_zero_rows_skip_the_kernel_and_the_other_rows_keep_their_bits(
+        installed: None, dtype: torch.dtype, quantize: str, bias: bool, pattern: str) -> None:
+    """The C++ linear and gated MLP run only the rows that are not all zeros where the kernel sums rows apart (the
+    tiled kernels): the zero rows come out as zeros (plus the bias), the others with the bits of the whole call.
+    Proof that the zero rows did not run: the weight holds an infinity, whose product with a computed zero is NaN."""
+    if quantize == "int8" and not native_matmul.int8_kind():
+        pytest.skip("int8 copies need AMX or AVX512-BF16")
+    n, k = 96, 64
+    layer = _layer(n, k, dtype, bias, seed=11, quantize=quantize)
+    for rows in (2, 5, 16, 32):
+        packed = prepack_module.packed_for(layer.weight, torch.empty(rows, k, dtype=dtype))
+        kernel = packed.kernel(rows) if packed is not None else None
+        if kernel is None or kernel[0] not in ROWS_APART:
+            continue  # AMX, or oneDNN: every row runs, as before
+        x = _zeroed(torch.randn(rows, k, dtype=dtype), pattern)
+        zero = (x == 0).all(dim=1)
+        got = torch.ops.bucketserve.linear(x, layer.weight, layer.bias)
+        assert torch.equal(got, linear_cpu(x, layer.weight, layer.bias)), (rows, pattern)
+        assert torch.equal(got[~zero], linear_cpu(x[~zero], layer.weight, layer.bias)), (rows, pattern)
+        if dtype == torch.bfloat16 and not bias:
+            gate, up = _layer(128, k, dtype, False, 12, quantize), _layer(128, k, dtype, False, 13, quantize)
+            got = torch.ops.bucketserve.gated_silu(x, gate.weight, None, up.weight, None)
+            assert torch.equal(got[zero], torch.zeros_like(got[zero]))
+            assert torch.equal(got[~zero], _gated_cpu(x[~zero], gate.weight, None, up.weight, None)), rows
+    torch.manual_seed(14)
+    poisoned = nn.Linear(k, n, bias=bias).to(dtype).requires_grad_(False)
+    with torch.no_grad():
+        poisoned.weight[5, 3] = float("inf")
+    prepack(poisoned, quantize if dtype == torch.bfloat16 else "none")
+    x = _zeroed(torch.randn(16, k, dtype=dtype), pattern)
+    zero = (x == 0).all(dim=1)
+    kernel = prepack_module.packed_for(poisoned.weight, x).kernel(16)  # type: ignore[union-attr]
+    if kernel is None or kernel[0] not in ROWS_APART:
+        pytest.skip("16 rows do not take a tiled kernel here")
+    got = torch.ops.bucketserve.linear(x, poisoned.weight, poisoned.bias)
+    expected = poisoned.bias.expand(int(zero.sum()), n) if bias else torch.zeros(int(zero.sum()), n, dtype=dtype)
+    assert torch.equal(got[zero], expected)  # computed, column 5 would be NaN (0 * inf)
+    assert got[~zero][:, 5].isnan().any() or got[~zero][:, 5].isinf().all()  # the live rows did run
 
 
 @needs_kernels

@@ -80,6 +80,22 @@ def test_decode_logits_do_not_depend_on_the_kv_bucket(compiled) -> None:
         torch.testing.assert_close(other[0], outs[0][0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_free_row_is_a_zero_row_and_leaves_the_others_bits(compiled) -> None:
+    """A free slot of a decode batch comes at position -1: the graph zeroes its hidden state, which stays zero
+    through a model without biases (its logits are zeros: no kernel skipped it to garbage), and the busy row's
+    logits are the bits it gets beside an old-style dummy row (token 0 at position 0)."""
+    runner, _ = compiled
+    ids = random.Random(4).choices(range(5, 400), k=6)
+    runner.prefill([PrefillRow(0, ids)], 8, 1)
+    beside_dummy = runner.decode(2, torch.tensor([9, 0]), torch.tensor([6, 0])).clone()
+    runner.prefill([PrefillRow(0, ids)], 8, 1)
+    beside_free = runner.decode(2, torch.tensor([9, 0]), torch.tensor([6, -1])).clone()
+    assert torch.equal(beside_free[1], torch.zeros_like(beside_free[1]))
+    assert not torch.equal(beside_dummy[1], torch.zeros_like(beside_dummy[1]))
+    assert torch.equal(beside_free[0], beside_dummy[0])
+    assert runner.accountant.count("serving") == 0
+
+
 CHUNKED = BucketTable(lengths=(4, 8), batch_sizes=(1, 2), prefill_batch_sizes=(1,), context_length=48,
                       kv_lengths=(16, 24, 48), chunked_prefill=True)
 
