@@ -38,6 +38,14 @@ def prefill_step(
     return logits
 
 
+def _embeddings(model: torch.nn.Module, input_ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """input_ids [b, t] -> the model's input embeddings [b, t, hidden], zero where `live` (bool, broadcast to
+    [b, t, 1]) is False: rows that compute nothing (see _decode_step)."""
+    embedding: Callable[[torch.Tensor], torch.Tensor] = model.get_input_embeddings()  # type: ignore[operator]
+    embeds = embedding(input_ids)
+    return embeds * live.to(embeds.dtype)
+
+
 def make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None) -> Callable[..., torch.Tensor]:
     def _decode_step(
         model: torch.nn.Module, cache: DecodeCache, input_ids: torch.Tensor, pos: torch.Tensor
@@ -53,10 +61,8 @@ def make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None) -
         pos = pos.clamp(min=0)
         cache.write_pos.copy_(pos)
         mask = decode_mask(pos, cache.kv_length, dtype, kinds, window)
-        embeds = model.get_input_embeddings()(input_ids)  # [b, 1, hidden]
-        embeds = embeds * live.to(embeds.dtype)
-        out = model(inputs_embeds=embeds, position_ids=pos.view(-1, 1), attention_mask=mask, cache=cache,
-                    use_cache=True)
+        out = model(inputs_embeds=_embeddings(model, input_ids, live), position_ids=pos.view(-1, 1),
+                    attention_mask=mask, cache=cache, use_cache=True)
         logits: torch.Tensor = out.logits[:, -1]
         return logits
 
@@ -92,10 +98,9 @@ def mixed_step(model: torch.nn.Module, cache: MixedCache, input_ids: torch.Tenso
     (and gives padding tokens, those of the spare slot, zeros)."""
     cache.meta.copy_(meta)
     mask = cache.meta.view(1, 1, -1, 2)
-    embeds = model.get_input_embeddings()(input_ids)  # [1, T, hidden]
-    embeds = embeds * (positions >= 0).to(embeds.dtype).unsqueeze(-1)
-    out = model(inputs_embeds=embeds, position_ids=positions.clamp(min=0), attention_mask=mask, cache=cache,
-                use_cache=True, logits_to_keep=keep)
+    live = (positions >= 0).unsqueeze(-1)  # [1, T, 1]
+    out = model(inputs_embeds=_embeddings(model, input_ids, live), position_ids=positions.clamp(min=0),
+                attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep)
     logits: torch.Tensor = out.logits[0]
     return logits
 
