@@ -2,8 +2,12 @@
 the default KV and batch buckets, and the before/after of KV-length buckets (KV = context length is what every
 step cost before them). Rows sit at position `--position` (a typical live length); median of `--steps` steps.
 
+`--busy N`: only the first N rows of each batch decode, the others are free slots (position -1, as the engine
+sends them: zeroed rows the CPU kernels skip): what a batch bucket costs while fewer clients than its rows run.
+
 Each configuration runs in its own subprocess (compiler settings are process-wide).
 Usage: python scripts/bench_decode.py [--batches 1,8,16] [--kv 256,1024,2048] [--configs float32,bfloat16:freeze]
+    [--busy N]
 A config is a dtype with an optional `:freeze` (inductor freezing) or `:plain` (no weight prepacking).
 Writes results/bench-decode.json and .md.
 """
@@ -21,7 +25,7 @@ from pathlib import Path
 
 
 def run_one(dtype: str, freezing: bool, prepack: bool, batches: tuple[int, ...], kvs: tuple[int, ...], position: int,
-            steps: int, threads: int) -> dict:
+            steps: int, threads: int, busy: int = 0) -> dict:
     import torch
 
     from buckets import BucketTable, GraphKey
@@ -42,6 +46,8 @@ def run_one(dtype: str, freezing: bool, prepack: bool, batches: tuple[int, ...],
     for b in batches:
         tokens = torch.full((b,), 100, dtype=torch.long)
         pos = torch.full((b,), position, dtype=torch.long)
+        if busy:
+            tokens[busy:], pos[busy:] = 0, -1  # free slots
         for kv in kvs:
             times = []
             for i in range(steps + 3):
@@ -51,6 +57,7 @@ def run_one(dtype: str, freezing: bool, prepack: bool, batches: tuple[int, ...],
                     times.append((time.perf_counter() - t0) * 1000)
             step_ms[f"b{b}_kv{kv}"] = round(statistics.median(times), 1)
     return {"dtype": dtype, "freezing": freezing, "prepacked": runner.prepacked, "threads": threads, "position": position,
+            "busy": busy or "all",
             "compile_s": compile_s, "step_ms": step_ms, "serving_compilations": runner.accountant.count("serving")}
 
 
@@ -63,6 +70,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="results")
+    parser.add_argument("--busy", type=int, default=0, help="rows of each batch that decode (0: all)")
     parser.add_argument("--one", default="")
     args = parser.parse_args()
     batches = tuple(int(x) for x in args.batches.split(","))
@@ -70,14 +78,15 @@ def main() -> int:
     if args.one:
         dtype, _, option = args.one.partition(":")
         result = run_one(dtype, option == "freeze", option != "plain", batches, kvs, args.position, args.steps,
-                         args.threads)
+                         args.threads, args.busy)
         print(json.dumps(result))
         return 0
     results = []
     for config in args.configs.split(","):
         proc = subprocess.run([sys.executable, __file__, "--one", config, "--batches", args.batches, "--kv", args.kv,
                                "--position", str(args.position), "--steps", str(args.steps),
-                               "--threads", str(args.threads)], capture_output=True, text=True, env=dict(os.environ))
+                               "--threads", str(args.threads), "--busy", str(args.busy)],
+                              capture_output=True, text=True, env=dict(os.environ))
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)
             return 1
