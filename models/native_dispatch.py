@@ -12,8 +12,10 @@ models/gated_mlp.py and models/attention.py) are removed and the C++ ones regist
 (models/prepack.py's Packed: oneDNN's copy and which native kernel each step size reads) are mirrored into the
 library as they are made and dropped as their weights are freed. The C++ kernels make the same choices as the
 Python ones, so the outputs are the same bits; where attention's one-call decode path declines, its C++ kernel
-calls the rest of the Python one (`bucketserve::attention_general`). Where the library cannot be built (no C++
-compiler, no torch headers) the Python kernels stay, with a warning.
+calls the rest of the Python one (`bucketserve::attention_general`). The C++ linear and gated MLP also leave
+rows of zeros out of the tiled kernels' calls (a decode batch's free slots: dispatch.cpp's on_live_rows); the
+Python ones compute those rows, to the same zeros. Where the library cannot be built (no C++ compiler, no torch
+headers) the Python kernels stay, with a warning.
 """
 
 from __future__ import annotations

@@ -275,8 +275,8 @@ class ModelRunner:
                 not 0 <= s < self.storage.spare_slot for s in slots) or any(not 0 <= k < n for k in keep):
             raise ValueError("a mixed step's position, slot or logit row is out of range")
         pad = tokens - n
-        # [T] pad tokens: token 0 at position 0 of the spare slot (written there, never read); position -1 for
-        # the model: their rows are zeroed and computed by no kernel that can skip them (mixed_step).
+        # [T] pad tokens: token 0 at position 0 of the spare slot (written there, never read); to the model they
+        # come at position -1, so their rows are zeroed and the kernels that skip zero rows skip them (mixed_step).
         ids_t = torch.tensor(ids + [0] * pad, dtype=torch.long).view(1, tokens)
         pos_t = torch.tensor(positions + [0] * pad, dtype=torch.long)
         meta = torch.stack([torch.tensor(slots + [self.storage.spare_slot] * pad, dtype=torch.long), pos_t], 1)
