@@ -27,10 +27,11 @@ from models.step_functions import (
     PrefillRow,
     make_chunk_step,
     make_decode_step,
-    mixed_step,
+    make_mixed_step,
     prefill_step,
     sample_step,
     vocab_size,
+    zeroes_free_rows,
 )
 
 __all__ = ["ModelRunner", "PrefillRow", "ShapeTable", "UnknownShapeError", "WarmupCancelled"]
@@ -94,9 +95,10 @@ class ModelRunner:
         self.sample_inputs = {rows: SampleInputs.allocate(rows, self.device) for rows in table.sample_batch_sizes}
         self.vocab_size = vocab_size(model)
         kinds, window = self.storage.layer_types, sliding_window(model.config)
+        zero = zeroes_free_rows(model.config)
         fns: dict[str, Callable[..., Any]] = {
-            "prefill": prefill_step, "decode": make_decode_step(self.dtype, kinds, window),
-            "chunk": make_chunk_step(self.dtype, kinds, window), "mixed": mixed_step, "sample": sample_step,
+            "prefill": prefill_step, "decode": make_decode_step(self.dtype, kinds, window, zero),
+            "chunk": make_chunk_step(self.dtype, kinds, window), "mixed": make_mixed_step(zero), "sample": sample_step,
         }
         self.graphs = GraphSet(model, compile_settings, self.accountant, len(self.keys), fns)
         self._warming = False
@@ -179,7 +181,7 @@ class ModelRunner:
         its row is zeroed and computes nothing).
         `kv`: the KV-length bucket (None: the smallest covering max(positions) + 1). Returns logits [batch, V]."""
         if kv is None:
-            kv = self.table.kv_for(int(positions.max()) + 1)
+            kv = self.table.kv_for(max(1, int(positions.max()) + 1))  # every row free: the smallest
         return self._run_decode(batch, kv, tokens, positions)
 
     def chunk(self, slot: int, offset: int, token_ids: list[int], kv: int) -> torch.Tensor:
@@ -275,8 +277,8 @@ class ModelRunner:
                 not 0 <= s < self.storage.spare_slot for s in slots) or any(not 0 <= k < n for k in keep):
             raise ValueError("a mixed step's position, slot or logit row is out of range")
         pad = tokens - n
-        # [T] pad tokens: token 0 at position 0 of the spare slot (written there, never read); to the model they
-        # come at position -1, so their rows are zeroed and the kernels that skip zero rows skip them (mixed_step).
+        # [T] pad tokens: token 0 at position 0 of the spare slot (written there, never read); to the model
+        # they come at position -1: their rows are zeroed, and kernels that skip zero rows skip them.
         ids_t = torch.tensor(ids + [0] * pad, dtype=torch.long).view(1, tokens)
         pos_t = torch.tensor(positions + [0] * pad, dtype=torch.long)
         meta = torch.stack([torch.tensor(slots + [self.storage.spare_slot] * pad, dtype=torch.long), pos_t], 1)

@@ -38,15 +38,30 @@ def prefill_step(
     return logits
 
 
-def _embeddings(model: torch.nn.Module, input_ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """input_ids [b, t] -> the model's input embeddings [b, t, hidden], zero where `live` (bool, broadcast to
-    [b, t, 1]) is False: rows that compute nothing (see _decode_step)."""
+# Model types whose forward does nothing with input_ids but embed them (`inputs_embeds = embed_tokens(input_ids)`,
+# transformers 5.x), so inputs_embeds give the same model. Others (Gemma3n's per-layer inputs, Falcon-H1's and
+# Pegasus's embedding multipliers on the input_ids branch, ...) keep input_ids and compute their free rows.
+ZEROABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text",
+                                  "phi3", "granite", "olmo2", "gpt2"})
+
+
+def zeroes_free_rows(config: Any) -> bool:
+    """Whether the decode and mixed graphs of this model zero their free rows (see _decode_step)."""
+    return getattr(config, "model_type", None) in ZEROABLE_MODEL_TYPES
+
+
+def _inputs(model: torch.nn.Module, input_ids: torch.Tensor, live: torch.Tensor, zero: bool) -> dict[str, Any]:
+    """The model's token inputs for input_ids [b, t]: with `zero`, inputs_embeds [b, t, hidden] that are zero where
+    `live` (bool, broadcast to [b, t, 1]) is False, rows that compute nothing; else the ids themselves."""
+    if not zero:
+        return {"input_ids": input_ids}
     embedding: Callable[[torch.Tensor], torch.Tensor] = model.get_input_embeddings()  # type: ignore[operator]
     embeds = embedding(input_ids)
-    return embeds * live.to(embeds.dtype)
+    return {"inputs_embeds": embeds * live.to(embeds.dtype)}
 
 
-def make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None) -> Callable[..., torch.Tensor]:
+def make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None, zero_free_rows: bool = True
+                     ) -> Callable[..., torch.Tensor]:
     def _decode_step(
         model: torch.nn.Module, cache: DecodeCache, input_ids: torch.Tensor, pos: torch.Tensor
     ) -> torch.Tensor:
@@ -56,12 +71,14 @@ def make_decode_step(dtype: torch.dtype, kinds: list[str], window: int | None) -
         Why zero a free row: from its embedding on, a zero row stays zero through a model without biases or
         LayerNorm shifts (RMSNorm, rotary, attention over its one zero K/V, the MLP all map 0 to 0), and the CPU
         kernels skip zero rows (models/csrc/dispatch.cpp): a batch bucket's free slots cost nearly nothing instead
-        of a full row each. Where a model does map 0 elsewhere the row is merely computed, as before."""
+        of a full row each. Where a model does map 0 elsewhere the row is merely computed, as before; where its
+        forward takes input_ids otherwise than through the embedding (`zero_free_rows` False: zeroes_free_rows),
+        the free row runs as token 0 at position 0, computed."""
         live = (pos >= 0).view(-1, 1, 1)  # [b, 1, 1]
         pos = pos.clamp(min=0)
         cache.write_pos.copy_(pos)
         mask = decode_mask(pos, cache.kv_length, dtype, kinds, window)
-        out = model(inputs_embeds=_embeddings(model, input_ids, live), position_ids=pos.view(-1, 1),
+        out = model(**_inputs(model, input_ids, live, zero_free_rows), position_ids=pos.view(-1, 1),
                     attention_mask=mask, cache=cache, use_cache=True)
         logits: torch.Tensor = out.logits[:, -1]
         return logits
@@ -89,20 +106,23 @@ def make_chunk_step(dtype: torch.dtype, kinds: list[str], window: int | None) ->
     return _chunk_step
 
 
-def mixed_step(model: torch.nn.Module, cache: MixedCache, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """input_ids, positions: [1, T] tokens of several slots on one axis, position -1 for a padding token (its
-    hidden state is zeroed, as a decode step's free rows are: the CPU kernels skip it); meta: [T, 2] (slot,
-    position) per token; keep: [R] indices of the tokens whose logits are wanted. Returns logits [R, V]. The meta
-    tensor goes in as the 4-D "mask" (transformers passes 4-D masks through untouched): the attention op reads it
-    (and gives padding tokens, those of the spare slot, zeros)."""
-    cache.meta.copy_(meta)
-    mask = cache.meta.view(1, 1, -1, 2)
-    live = (positions >= 0).unsqueeze(-1)  # [1, T, 1]
-    out = model(inputs_embeds=_embeddings(model, input_ids, live), position_ids=positions.clamp(min=0),
-                attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep)
-    logits: torch.Tensor = out.logits[0]
-    return logits
+def make_mixed_step(zero_free_rows: bool = True) -> Callable[..., torch.Tensor]:
+    def _mixed_step(model: torch.nn.Module, cache: MixedCache, input_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [1, T] tokens of several slots on one axis, position -1 for a padding token (its
+        hidden state zeroed as a decode step's free rows are, where the model allows: the CPU kernels skip it);
+        meta: [T, 2] (slot, position) per token; keep: [R] indices of the tokens whose logits are wanted. Returns
+        logits [R, V]. The meta tensor goes in as the 4-D "mask" (transformers passes 4-D masks through
+        untouched): the attention op reads it (and gives padding tokens, those of the spare slot, zeros)."""
+        cache.meta.copy_(meta)
+        mask = cache.meta.view(1, 1, -1, 2)
+        live = (positions >= 0).unsqueeze(-1)  # [1, T, 1]
+        out = model(**_inputs(model, input_ids, live, zero_free_rows), position_ids=positions.clamp(min=0),
+                    attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep)
+        logits: torch.Tensor = out.logits[0]
+        return logits
+
+    return _mixed_step
 
 
 def sample_step(model: torch.nn.Module, logits: torch.Tensor, inputs: SampleInputs) -> tuple[torch.Tensor, ...]:

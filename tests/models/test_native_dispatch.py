@@ -145,7 +145,18 @@ def test_zero_rows_skip_the_kernel_and_the_other_rows_keep_their_bits(
     got = torch.ops.bucketserve.linear(x, poisoned.weight, poisoned.bias)
     expected = poisoned.bias.expand(int(zero.sum()), n) if bias else torch.zeros(int(zero.sum()), n, dtype=dtype)
     assert torch.equal(got[zero], expected)  # computed, column 5 would be NaN (0 * inf)
-    assert got[~zero][:, 5].isnan().any() or got[~zero][:, 5].isinf().all()  # the live rows did run
+    if pattern != "none live":  # the live rows did run
+        assert got[~zero][:, 5].isnan().any() or got[~zero][:, 5].isinf().all()
+    if dtype == torch.bfloat16 and not bias:
+        torch.manual_seed(15)
+        gate, up = (nn.Linear(k, 128, bias=False).to(dtype).requires_grad_(False) for _ in range(2))
+        with torch.no_grad():
+            gate.weight[7, 3] = float("inf")
+            up.weight[7, 3] = float("inf")
+        prepack(gate, quantize)
+        prepack(up, quantize)
+        got = torch.ops.bucketserve.gated_silu(x, gate.weight, None, up.weight, None)
+        assert torch.equal(got[zero], torch.zeros_like(got[zero]))  # computed: column 7 NaN
 
 
 @needs_kernels

@@ -96,6 +96,20 @@ def test_a_free_row_is_a_zero_row_and_leaves_the_others_bits(compiled) -> None:
     assert runner.accountant.count("serving") == 0
 
 
+def test_only_models_that_embed_their_ids_and_nothing_else_zero_free_rows() -> None:
+    """Zeroing goes through inputs_embeds: a family whose forward does more with input_ids (Gemma3n's per-layer
+    inputs, Falcon-H1's embedding multiplier) keeps input_ids and computes its free rows."""
+    from types import SimpleNamespace
+
+    from models.step_functions import zeroes_free_rows
+
+    assert zeroes_free_rows(SimpleNamespace(model_type="llama"))
+    assert zeroes_free_rows(SimpleNamespace(model_type="qwen2"))
+    assert not zeroes_free_rows(SimpleNamespace(model_type="gemma3n_text"))
+    assert not zeroes_free_rows(SimpleNamespace(model_type="falcon_h1"))
+    assert not zeroes_free_rows(SimpleNamespace())
+
+
 CHUNKED = BucketTable(lengths=(4, 8), batch_sizes=(1, 2), prefill_batch_sizes=(1,), context_length=48,
                       kv_lengths=(16, 24, 48), chunked_prefill=True)
 

@@ -121,6 +121,38 @@ def test_abort_frees_slot_within_a_step(tmp_path) -> None:
     asyncio.run(main())
 
 
+def test_free_slots_of_a_decode_batch_reach_the_runner_at_position_minus_one(tmp_path) -> None:
+    """Three requests decode in batch bucket 4: the fourth row is a free slot, sent at position -1 (the graph
+    zeroes it and the CPU kernels skip it); the busy rows at their own positions."""
+    table = BucketTable(lengths=(8, 16), batch_sizes=(1, 4), prefill_batch_sizes=(1,), context_length=64)
+    seen: list[list[int]] = []
+
+    async def main() -> None:
+        engine = await started(tiny_engine(tmp_path, table=table))
+        runner = engine.model.runner
+        real = runner.decode
+
+        def recording(batch: int, tokens: torch.Tensor, positions: torch.Tensor, kv: int | None = None
+                      ) -> torch.Tensor:
+            seen.append(positions.tolist())
+            return real(batch, tokens, positions, kv)
+
+        runner.decode = recording  # type: ignore[method-assign]
+        try:
+            handles = [engine.submit([5 + i] * (3 + i), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+                       for i in range(3)]
+            results = await asyncio.gather(*(collect(h) for h in handles))
+            assert [len(tokens) for tokens, _ in results] == [6, 6, 6]
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+    three = [p for p in seen if len(p) == 4 and sum(x >= 0 for x in p) == 3]
+    assert three, seen  # steps with three busy rows in batch 4
+    assert all(p[3] == -1 for p in three)
+    assert all(x == -1 or x >= 3 for p in seen for x in p)  # a busy row decodes past its prompt
+
+
 def test_queue_overflow_is_refused_and_admitted_requests_complete(tmp_path) -> None:
     async def main() -> None:
         settings = tiny_settings(max_waiting_requests=2)
