@@ -280,8 +280,8 @@ class ModelRunner:
         # [T] pad tokens: token 0 at position 0 of the spare slot (written there, never read); to the model
         # they come at position -1: their rows are zeroed, and kernels that skip zero rows skip them.
         ids_t = torch.tensor(ids + [0] * pad, dtype=torch.long).view(1, tokens)
-        pos_t = torch.tensor(positions + [0] * pad, dtype=torch.long)
-        meta = torch.stack([torch.tensor(slots + [self.storage.spare_slot] * pad, dtype=torch.long), pos_t], 1)
+        meta = torch.tensor([[s, p] for s, p in zip(slots + [self.storage.spare_slot] * pad, positions + [0] * pad)],
+                            dtype=torch.long)
         pos_t = torch.tensor(positions + [-1] * pad, dtype=torch.long)
         keep_t = torch.tensor(keep + [0] * (rows - len(keep)), dtype=torch.long)
         dev = self.device
