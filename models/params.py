@@ -13,6 +13,9 @@ MIN_TEMPERATURE = 1e-5
 LOGPROBS_MAX = 20  # the sampling graph returns the top 20; keeps the top-k gather small
 PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties (OpenAI's range)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# The sampling graph holds each row's top_k in an int64 tensor, filled for the whole step at once: a larger value
+# would fail every row of the step, not only its own. Any top_k past the vocabulary already means "off".
+TOP_K_MAX = 2**63 - 1
 
 
 class SamplingError(ValueError):
@@ -49,8 +52,8 @@ class SamplingParams:
             raise SamplingError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise SamplingError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k <= TOP_K_MAX:
+            raise SamplingError("top_k", f"must be in [0, {TOP_K_MAX}] (0 disables it), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise SamplingError("min_p", f"must be in [0, 1], got {self.min_p}")
         low, high = PENALTY_RANGE

@@ -41,12 +41,13 @@ class Generation:
 
 
 def admit(state: AppState, prompts: Sequence[list[int]], params: Sequence[SamplingParams], stops: Sequence[str],
-          request_id: str, *, hold_back: bool = True) -> Generation:
+          request_id: str, *, hold_back: bool = True, many: str = "n") -> Generation:
     """Check and submit one sequence per (prompt, params). The engine checks each against the bucket table
-    once, and queues all of them or none (its refusal propagates, mapped by errors.ERROR_TABLE)."""
+    once, and queues all of them or none (its refusal propagates, mapped by errors.ERROR_TABLE). `many`: the
+    field a request of too many sequences is told to shrink (n, or the prompt list where n is 1)."""
     limit = state.settings.max_waiting_requests
     if len(prompts) > limit:
-        raise bad_param("n", f"this request asks for {len(prompts)} sequences; the limit is {limit}")
+        raise bad_param(many, f"this request asks for {len(prompts)} sequences; the limit is {limit}")
     for p in params:
         check_ids(state, p.stop_token_ids, "stop_token_ids")
     ids = [f"{request_id}-{i}" for i in range(len(prompts))]

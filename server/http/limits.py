@@ -10,7 +10,7 @@ from typing import Annotated, Sequence
 
 from pydantic import Field
 
-from models.params import LOGPROBS_MAX, PENALTY_RANGE
+from models.params import LOGPROBS_MAX, PENALTY_RANGE, TOP_K_MAX
 
 MAX_N = 128  # choices per request (also capped by --max-waiting-requests)
 MAX_STOPS = 16  # OpenAI itself allows 4
@@ -29,6 +29,8 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 MinP = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
 RepetitionPenalty = Annotated[float, Field(gt=0)]  # the record's own range names the bounds (SamplingError)
+TopK = Annotated[int, Field(ge=-1, le=TOP_K_MAX)]  # -1 or 0: off (vLLM spells it -1)
+TgiTopK = Annotated[int, Field(ge=0, le=TOP_K_MAX)]  # TGI has no -1 spelling of "off"
 TopLogprobs = Annotated[int, Field(ge=0, le=LOGPROBS_MAX)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 

@@ -9,13 +9,13 @@ Policy: every request model forbids unknown fields (a 400 naming them), is stric
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 
 from models.params import SamplingParams
-from server.http.errors import ApiError
+from server.http.errors import ApiError, unsupported
 from server.http.limits import (
     SEED_MAX,
     MinP,
@@ -25,6 +25,7 @@ from server.http.limits import (
     StopTokenIds,
     Temperature,
     TokenId,
+    TopK,
     TopP,
 )
 
@@ -40,7 +41,7 @@ class SamplingKnobs(StrictModel):
 
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off (vLLM uses -1)
+    top_k: TopK | None = None
     min_p: MinP | None = None
     seed: Seed | None = None
     stop_token_ids: StopTokenIds | None = None
@@ -71,25 +72,35 @@ class SamplingKnobs(StrictModel):
         )
 
 
-class TextPart(StrictModel):
+class ContentPart(StrictModel):
+    """One part of a message's content list. A part of any type parses (image and audio parts carry fields of
+    their own), so that a non-text part is refused as unsupported rather than as unknown fields; a text part's
+    unknown fields are refused by name all the same (ChatMessage.as_template_dict)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     type: str
     text: str = ""
 
 
 class ChatMessage(StrictModel):
     role: str = Field(min_length=1)
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
 
-    def as_template_dict(self) -> dict[str, Any]:
-        """The plain dict a chat template expects; text parts are joined (other parts were rejected)."""
+    def as_template_dict(self, index: int) -> dict[str, Any]:
+        """The plain dict a chat template expects for message `index`; text parts are joined, any other part
+        or a text part's unknown field is a 400 naming it (messages.<index>.content.<i>...)."""
+        where = f"messages.{index}"
         if isinstance(self.content, list):
             for i, part in enumerate(self.content):
                 if part.type != "text":
-                    raise ApiError(400, f"content part type {part.type!r} is not supported (text only)",
-                                   param=f"messages.content.{i}.type", code="unsupported_parameter")
+                    raise unsupported(f"{where}.content.{i}.type", f"content part type {part.type!r}: text only")
+                if part.model_extra:
+                    field = f"{where}.content.{i}.{next(iter(part.model_extra))}"
+                    raise ApiError(400, f"unknown field: {field}; this server rejects parameters it does not "
+                                   "implement", param=field, code="unknown_parameter")
             content: str = "".join(p.text for p in self.content)
         else:
             content = self.content or ""
@@ -97,8 +108,7 @@ class ChatMessage(StrictModel):
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
-            raise ApiError(400, "tool_calls are not supported", param="messages.tool_calls",
-                           code="unsupported_parameter")
+            raise unsupported(f"{where}.tool_calls")
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
@@ -151,12 +161,15 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if not raw.strip():
         raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        # Decoded strictly here: json.loads(bytes) would decode with "surrogatepass", letting the UTF-8 bytes of a
+        # lone surrogate (ED A0 80) through to the tokenizer and the error bodies, which cannot encode it.
+        text = raw.decode(json.detect_encoding(raw))
+        data = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ApiError(400, f"request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
-    if b"\\u" in raw:
+    if "\\u" in text:
         _reject_lone_surrogates(data)
     return data
 

@@ -13,12 +13,12 @@ from pydantic import Field, field_validator
 
 from models.params import SamplingParams
 from server.http.errors import bad_param, unsupported
-from server.http.limits import DEFAULT_MAX_NEW_TOKENS, MaxTokens, TokenId, TopLogprobs, check_stops
+from server.http.limits import DEFAULT_MAX_NEW_TOKENS, MaxTokens, TgiTopK, TokenId, TopLogprobs, check_stops
 from server.http.protocol import SamplingKnobs, StrictModel
 
 
 class TgiParameters(SamplingKnobs):
-    top_k: Annotated[int, Field(ge=0)] | None = None  # TGI has no -1 spelling of "off"
+    top_k: TgiTopK | None = None
     stop_token_ids: list[TokenId] | None = None  # a bucketserve extension, unbounded as it always was
     do_sample: bool | None = False
     max_new_tokens: MaxTokens | None = None

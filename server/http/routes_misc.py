@@ -79,7 +79,7 @@ async def tokenize(request: Request) -> Response:
     if req.messages is not None:
         if not req.messages:
             raise ApiError(400, "messages: must not be empty", param="messages", code="invalid_parameter")
-        dicts = [m.as_template_dict() for m in req.messages]
+        dicts = [m.as_template_dict(i) for i, m in enumerate(req.messages)]
         tokens = render_chat(state.tokenizer, dicts, add_generation_prompt=req.add_generation_prompt)
     else:
         tokens = encode_text(state.tokenizer, req.prompt or "", add_special_tokens=req.add_special_tokens)

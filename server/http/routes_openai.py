@@ -24,7 +24,7 @@ def _admit(state: AppState, req: SamplingFields, kind: str, prompts: list[list[i
     n = req.num_choices()
     params = [req.to_params(max_tokens, logprobs, index=j) for _ in prompts for j in range(n)]
     sequences = [p for p in prompts for _ in range(n)]
-    return admit(state, sequences, params, req.stop_strings(), new_id(kind))
+    return admit(state, sequences, params, req.stop_strings(), new_id(kind), many="n" if n > 1 else "prompt")
 
 
 # -- routes -----------------------------------------------------------------------------------------
@@ -51,7 +51,7 @@ async def chat_completions(request: Request) -> Response:
     req = await parse(request, ChatCompletionRequest, state.body_limit)
     state.check_model(req.model)
     req.check_supported()
-    ids = render_chat(state.tokenizer, [m.as_template_dict() for m in req.messages])
+    ids = render_chat(state.tokenizer, [m.as_template_dict(i) for i, m in enumerate(req.messages)])
     max_tokens = req.max_new_tokens() or default_max_tokens(state, len(ids))
     include_usage = req.include_usage()
     gen = _admit(state, req, "chatcmpl", [ids], max_tokens, req.logprobs_k())

@@ -41,7 +41,7 @@ def test_penalties_and_logprobs() -> None:
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", float("nan")),
-                                          ("max_tokens", 0), ("min_p", 2.0), ("top_k", -1),
+                                          ("max_tokens", 0), ("min_p", 2.0), ("top_k", -1), ("top_k", 2**63),
                                           ("presence_penalty", float("inf")), ("logprobs", 50)])
 def test_invalid_params_name_the_field(field: str, value: float) -> None:
     with pytest.raises(SamplingError) as err:

@@ -65,7 +65,27 @@ BAD_JSON_BODIES: list[tuple[str, dict[str, Any], int, str | None, str | None]] =
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "x": 1}]}, 400, "messages.0.x",
      "unknown_parameter"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "text": ""}]}]}, 400,
-     None, "unsupported_parameter"),
+     "messages.0.content.0.type", "unsupported_parameter"),
+    # an image or audio part with its own fields is unsupported, not a list of unknown fields
+    ("/v1/chat/completions", {"messages": [MSG[0], {"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     400, "messages.1.content.1.type", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}, 400, "messages.0.content.0.type",
+     "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": 1}]}]},
+     400, "messages.0.content.0.x", "unknown_parameter"),
+    ("/v1/chat/completions", {"messages": [MSG[0], {"role": "assistant", "tool_calls": [{"id": "1"}]}]}, 400,
+     "messages.1.tool_calls", "unsupported_parameter"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.0.content.0.type", "unsupported_parameter"),
+    # top_k past int64 (the sampling graph's tensor): a 400, not a failed step (it failed every row of the step)
+    ("/v1/completions", {"prompt": "x", "top_k": 2**64}, 400, "top_k", None),
+    ("/v1/chat/completions", {"messages": MSG, "top_k": 2**63}, 400, "top_k", None),
+    ("/generate", {"inputs": "x", "parameters": {"top_k": 2**63}}, 400, "parameters.top_k", None),
+    # more sequences than the queue holds (8 here): the field to shrink is named
+    ("/v1/completions", {"prompt": ["a"] * 9}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "a", "n": 9}, 400, "n", None),
     ("/v1/chat/completions", {"messages": [{"role": "bad", "content": "hi"}]}, 400, "messages", "invalid_messages"),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format",
@@ -144,6 +164,27 @@ def test_malformed_bodies(shared: tuple[TestClient, FakeEngine], raw: bytes) -> 
     assert r.status_code in (200, 400), r.text  # a lone surrogate is valid JSON; the tokenizer copes
     if r.status_code == 400:
         check_error(r, 400)
+
+
+SURROGATE = "\ud800".encode("utf-8", "surrogatepass")  # b"\xed\xa0\x80": U+D800 as UTF-8 bytes, unescaped
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", b'{"prompt": "x ' + SURROGATE + b'", "max_tokens": 2}'),
+    ("/v1/completions", b'{"prompt": "x ' + SURROGATE + b'", "max_tokens": 2, "stream": true}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x' + SURROGATE + b'"}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "model": "' + SURROGATE + b'"}'),
+    ("/tokenize", b'{"prompt": "' + SURROGATE + b'"}'),
+    ("/generate", b'{"inputs": "' + SURROGATE + b'"}'),
+])
+def test_raw_surrogate_bytes_are_invalid_json(shared: tuple[TestClient, FakeEngine], route: str, body: bytes) -> None:
+    """A lone surrogate written as raw UTF-8 bytes (not as a \\u escape) is not UTF-8: a 400 like the escape's,
+    where it used to reach the tokenizer (a TypeError: 500) or an error body that could not encode it (a plain-text
+    500 and a closed connection)."""
+    client, _ = shared
+    check_error(client.post(route, content=body, headers={"content-type": "application/json"}), 400,
+                code="invalid_json")
+    assert client.get("/health").status_code == 200
 
 
 def test_wrong_routes_and_methods(shared: tuple[TestClient, FakeEngine]) -> None:
