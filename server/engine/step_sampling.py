@@ -11,6 +11,7 @@ Three paths, cheapest first:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ import torch
 from buckets.scheduler import Sequence
 from models.runner import ModelRunner
 from models.sampling import SampledToken, Sampler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,13 @@ def sample_step(runner: ModelRunner, seqs: tuple[Sequence, ...], samplers: list[
             rows[out.rows[i]] = (p.temperature, p.top_k, p.top_p, p.min_p, s.seed, seq.prompt_len + seq.num_generated)
         try:
             ids, chosen, top_ids, top_lp, on_host = (t.cpu() for t in runner.sample(out.logits, rows))
-        except Exception as exc:  # noqa: BLE001 - these rows fail; the engine keeps serving
-            for i, _ in on_device:
-                results[i] = exc
+        except Exception:  # noqa: BLE001 - one batch for every row: each row is sampled alone instead
+            # A failure of the whole batch (one row's parameters the graph cannot take, an error in the graph)
+            # must not fail the other requests of the step: the host path samples each row by itself, so only a
+            # row that fails there too fails its request (its seeded draws then come from the host's generator).
+            log.warning("the sampling graph failed; sampling the step's %d rows on the host", len(on_device),
+                        exc_info=True)
+            host.extend(on_device)
             on_device = []
         else:
             for i, s in on_device:

@@ -1,11 +1,19 @@
-"""The all-greedy path of a step's sampling (server/engine/step_sampling.py) picks what argmax picks."""
+"""A step's sampling (server/engine/step_sampling.py): the all-greedy path picks what argmax picks, and a
+failed sampling graph fails no row the host can sample."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
 
-from server.engine.step_sampling import greedy_ids
+from buckets.scheduler import Sequence
+from models.params import SamplingParams
+from models.runner import ModelRunner
+from models.sampling import SampledToken, Sampler
+from server.engine.step_sampling import StepLogits, greedy_ids, sample_step
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -20,3 +28,30 @@ def test_greedy_ids_equal_argmax_with_ties_and_nans(dtype: torch.dtype) -> None:
     ids = greedy_ids(logits)
     assert ids == logits.argmax(dim=-1).tolist()
     assert ids[1:] == [7, 0, 5, 100, 49151]
+
+
+class _FailingGraph:
+    """A runner whose sampling graph fails for the whole batch."""
+
+    def sample(self, logits: torch.Tensor, rows: object) -> tuple[torch.Tensor, ...]:
+        raise RuntimeError("graph failed")
+
+
+class _BrokenSampler(Sampler):
+    def sample(self, logits: torch.Tensor) -> SampledToken:
+        raise ValueError("this row cannot be sampled")
+
+
+def test_a_failed_sampling_graph_fails_no_row_the_host_can_sample() -> None:
+    """The batch's graph failing (it used to fail every sampling row of the step: one request's top_k past int64
+    did) sends the rows to the host path: each request gets its token there, or its own error."""
+    logits = torch.randn(4, 50)
+    logits[0, 7] = logits[1, 9] = 100.0
+    seqs = tuple(cast(Sequence, SimpleNamespace(prompt_len=3, num_generated=i)) for i in range(3))
+    samplers: list[Sampler | None] = [Sampler(SamplingParams(temperature=0.5, seed=1), [1, 2, 3]),
+                                      Sampler(SamplingParams(temperature=0.0, logprobs=2), [1, 2, 3]),
+                                      _BrokenSampler(SamplingParams(temperature=0.7, seed=2), [1, 2, 3])]
+    out = sample_step(cast(ModelRunner, _FailingGraph()), seqs, samplers, StepLogits(logits, [0, 1, 2]))
+    assert isinstance(out[0], SampledToken) and out[0].token_id == 7
+    assert isinstance(out[1], SampledToken) and out[1].token_id == 9 and len(out[1].top_logprobs) == 2
+    assert isinstance(out[2], ValueError)
