@@ -33,6 +33,10 @@ log = logging.getLogger("bucketserve.http")
 INVALID = "invalid_request_error"
 UNAVAILABLE = "service_unavailable_error"
 
+class ClientDisconnectedError(Exception):
+    """The client went away before a non-streaming answer was ready; its sequences were aborted."""
+
+
 # Domain exception -> (HTTP status, error type, error code). Subclasses match through the MRO.
 ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
     PromptTooLongError: (400, INVALID, "context_length_exceeded"),
@@ -43,6 +47,9 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
     EngineNotReadyError: (503, UNAVAILABLE, "not_ready"),
     DrainingError: (503, UNAVAILABLE, "draining"),
     EngineDeadError: (503, UNAVAILABLE, "engine_dead"),
+    # Nobody reads this answer; the status is for the HTTP metrics and logs (nginx's "client closed request"),
+    # where an aborted request would otherwise count as a 200.
+    ClientDisconnectedError: (499, INVALID, "client_closed_request"),
 }
 
 # TGI's client picks its exception class from a top-level `error_type`; TGI routes add it.

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from server.engine.interface import FinishReason, Tokenizer
 from server.http.detokenizer import incremental_detokenizer
+from server.http.errors import ClientDisconnectedError
 from server.http.stop_strings import StopMatcher
 
 if TYPE_CHECKING:
@@ -144,16 +145,23 @@ def _failed(exc: Exception) -> TextDelta:
 
 async def collect_all(request: Request, runs: Sequence[SequenceRun]) -> list[RunResult]:
     """Non-streaming: wait for every run, aborting them all if the client disconnects first."""
+    disconnected = False
+
     def abort_all() -> None:
+        nonlocal disconnected
+        disconnected = True
         for r in runs:
             r.abort("client")
 
     try:
-        return await until_disconnect(request, asyncio.gather(*(r.collect() for r in runs)), abort_all)
+        results = await until_disconnect(request, asyncio.gather(*(r.collect() for r in runs)), abort_all)
     except BaseException:
         for r in runs:  # one sequence failed: free the others' slots too, nobody reads them
             r.abort("error")
         raise
+    if disconnected:  # the runs ended with "abort": an answer nobody reads is not a 200
+        raise ClientDisconnectedError("the client disconnected before the answer was ready")
+    return results
 
 
 async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect: Callable[[], object]) -> T:

@@ -49,16 +49,24 @@ def test_streaming_disconnect_aborts(live_fake: tuple[LiveServer, FakeEngine], r
     assert engine.num_running() == 0
 
 
-def test_non_streaming_disconnect_aborts(live_fake: tuple[LiveServer, FakeEngine]) -> None:
-    server, engine = live_fake
-    engine.hold.set()
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 100, "n": 2}, timeout=0.5)
-    assert eventually(lambda: len(engine.aborts) == 2), engine.aborts
-    assert {reason for _, reason in engine.aborts} == {"client"} and engine.num_running() == 0
-    engine.hold.clear()
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=10)
-    assert r.status_code == 200
+def test_non_streaming_disconnect_aborts(make_app: AppFactory) -> None:
+    """The sequences are aborted as "client", and the HTTP metrics count the request as 499 (nginx's "client
+    closed request"), not as the 200 nobody received."""
+    app, engine, metrics = make_app(step_delay=0.02)
+    with LiveServer(app) as server:
+        wait_ready(engine.is_ready)
+        engine.hold.set()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 100, "n": 2},
+                       timeout=0.5)
+        assert eventually(lambda: len(engine.aborts) == 2), engine.aborts
+        assert {reason for _, reason in engine.aborts} == {"client"} and engine.num_running() == 0
+        assert eventually(lambda: ("http", "/v1/completions", 499) in metrics.calls), metrics.named("http")
+        engine.hold.clear()
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200
+    assert [c for c in metrics.named("http") if c[1] == "/v1/completions"] == [
+        ("http", "/v1/completions", 499), ("http", "/v1/completions", 200)]
 
 
 def test_engine_failure_mid_stream_ends_with_an_error_event(live_fake: tuple[LiveServer, FakeEngine]) -> None:
