@@ -10,12 +10,24 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Iterable
 
 from buckets.scheduler import Scheduler
 from server.engine.active_request import ActiveRequest
 from server.engine.interface import TokenEvent
 from server.metrics.hooks import SafeHooks
+
+
+def retry_after_seconds(finished: Iterable[float], now: float, waiting: int) -> float:
+    """Seconds (1-60) until a request queued behind `waiting` others is likely to start: the backlog over the
+    completion rate of the last minute, counted from its first completion (a rate over the whole minute would
+    count the idle time before a burst: a queue that drained in 3 s was told to come back in 60). 5 s when
+    nothing finished in the last minute."""
+    recent = sorted(t for t in finished if now - t < 60.0)
+    if not recent:
+        return 5.0
+    rate = len(recent) / max(now - recent[0], 1.0)
+    return float(min(60, max(1, round((waiting + 1) / rate))))
 
 
 class RequestBook:
@@ -33,11 +45,7 @@ class RequestBook:
 
     def retry_after(self) -> float:
         """Seconds until a queued request is likely to start, from the measured completion rate."""
-        now = time.monotonic()
-        recent = [t for t in self._finished_times if now - t < 60.0]
-        rate = len(recent) / 60.0 if recent else 0.0
-        backlog = self.scheduler.num_waiting + 1
-        return float(min(60, max(1, round(backlog / rate)))) if rate > 0 else 5.0
+        return retry_after_seconds(self._finished_times, time.monotonic(), self.scheduler.num_waiting)
 
     def ids(self) -> list[str]:
         with self.lock:
