@@ -60,7 +60,8 @@ class CompileSeries:
         self._recompiles = {r: recompiles.labels(r) for r in RECOMPILE_REASONS}
         self._compile_seconds = histogram("compile_seconds", "Seconds to compile one graph.", config.compile_buckets)
         self._warmup_seconds = gauge("warmup_seconds", "Seconds the warm-up of every graph took.")
-        self._graphs_total = gauge("graphs_total", "Graphs the bucket table needs.")
+        # A gauge: no _total suffix (that is the counters'); bucketserve_graphs_ready counts the warm ones.
+        self._graphs_total = gauge("graphs", "Graphs the bucket table needs.")
         self._graphs_ready = gauge("graphs_ready", "Graphs compiled and warmed so far.")
         self._ready = gauge("ready", "1 when every graph is warm and requests are admitted, else 0.")
         self._graphs_total.set(table.num_graphs)

@@ -74,9 +74,11 @@ class Metrics(CompileSeries):
         self._init_compile_series(registry, table, config, world_size, counter, gauge, histogram)
 
         # -- shapes --------------------------------------------------------------------------------
-        bucket_requests = counter("bucket_requests_total", "Admitted requests per length bucket.", ("bucket",))
+        bucket_requests = counter("bucket_requests_total", "Admitted sequences per length bucket (a request "
+                                  "with n choices or a prompt list counts each).", ("bucket",))
         self._bucket_requests = {n: bucket_requests.labels(str(n)) for n in lengths}
-        self._prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self._prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of admitted sequences (each is "
+                                      "prefilled: n choices count their prompt n times).")
         padding = counter("padding_tokens_total", "Pad tokens computed, by phase.", ("phase",))
         self._padding_prefill = padding.labels("prefill")
         self._padding_decode = padding.labels("decode")

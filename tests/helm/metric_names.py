@@ -16,7 +16,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bucketserve_recompilations_total": ("counter", ("reason",)),
     "bucketserve_compile_seconds": ("histogram", ()),
     "bucketserve_warmup_seconds": ("gauge", ()),
-    "bucketserve_graphs_total": ("gauge", ()),
+    "bucketserve_graphs": ("gauge", ()),
     "bucketserve_graphs_ready": ("gauge", ()),
     "bucketserve_ready": ("gauge", ()),
     "bucketserve_compile_cache_hits_total": ("counter", ()),

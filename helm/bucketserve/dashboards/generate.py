@@ -85,7 +85,7 @@ def rate_sum(counter: str, by: str = "") -> str:
 def overview() -> list[Panel]:
     return [
         stat("Ready pods", f"sum(bucketserve_ready{{{SEL}}})", "short", "pods whose graphs are all warmed"),
-        stat("Graphs ready", f"sum(bucketserve_graphs_ready{{{SEL}}}) / sum(bucketserve_graphs_total{{{SEL}}})",
+        stat("Graphs ready", f"sum(bucketserve_graphs_ready{{{SEL}}}) / sum(bucketserve_graphs{{{SEL}}})",
              "percentunit", "warmed graphs / graphs in the bucket table, over all pods"),
         stat("Recompilations", f"sum(bucketserve_recompilations_total{{{SEL}}}) or vector(0)", "short",
              "compilations after warm-up; anything but 0 means a shape escaped the bucket table", red_from=1),
@@ -192,7 +192,7 @@ def compilation() -> list[Panel]:
         ], "s"),
         timeseries("Graphs warmed", [
             target(f"sum by (pod) (bucketserve_graphs_ready{{{SEL}}})", "{{pod}} ready"),
-            target(f"sum by (pod) (bucketserve_graphs_total{{{SEL}}})", "{{pod}} total", ref=1),
+            target(f"sum by (pod) (bucketserve_graphs{{{SEL}}})", "{{pod}} total", ref=1),
         ], "short"),
         {
             "type": "table",

@@ -111,7 +111,7 @@ def test_scripted_sequence_gives_exact_values() -> None:
     assert val(s, "compile_seconds_sum") == pytest.approx(0.5 * len(keys) + 3.0)
     assert val(s, "compile_seconds_bucket", le="0.5") == len(keys)
     assert val(s, "warmup_seconds") == 12.5
-    assert val(s, "graphs_total") == len(keys) == m.table.num_graphs == 15
+    assert val(s, "graphs") == len(keys) == m.table.num_graphs == 15
     assert val(s, "graphs_ready") == len(keys)
     assert val(s, "ready") == 1
     assert val(s, "compile_cache_hits_total") == 5  # i = 0, 3, 6, 9, 12
@@ -207,7 +207,7 @@ def test_series_exist_at_zero_with_bounded_label_sets() -> None:
     assert ttft_buckets == {"64", "128", "256"}
     assert labelsets(s, "padding_tokens_total") == {frozenset({("phase", "prefill")}), frozenset({("phase", "decode")})}
     assert labelsets(s, "requests_total") == set()  # route templates appear on first use only
-    assert val(s, "graphs_total") == t.num_graphs
+    assert val(s, "graphs") == t.num_graphs
     assert val(s, "graphs_ready") == 0
     assert val(s, "ready") == 0
 

@@ -138,7 +138,7 @@ def test_scripted_requests_give_exact_metrics(live: Served) -> None:
     assert eventually(lambda: live.scrape().get("bucketserve_slots_free") == TINY_TABLE.max_batch)
     # compilation: every graph of the table once at warm-up, none since
     assert_warmed_exactly(after, live.engine.table, list(live.engine.table.graph_keys()))
-    assert after.get("bucketserve_graphs_total") == live.engine.table.num_graphs
+    assert after.get("bucketserve_graphs") == live.engine.table.num_graphs
     for reason in RECOMPILE_REASONS:
         assert after.get("bucketserve_recompilations_total", reason=reason) == 0, reason
     assert live.engine.model.accountant.count("serving") == 0
