@@ -33,6 +33,7 @@ log = logging.getLogger("bucketserve.http")
 INVALID = "invalid_request_error"
 UNAVAILABLE = "service_unavailable_error"
 
+
 class ClientDisconnectedError(Exception):
     """The client went away before a non-streaming answer was ready; its sequences were aborted."""
 
