@@ -83,9 +83,13 @@ def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> str:
     if model in ("default", DEFAULT_MODEL_NAME):
         return str(ensure_default_model(cache_dir))
     if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ModelLoadError(f"--model {model!r} has no config.json: not a Hugging Face checkpoint directory")
         return model
     if os.path.exists(model):
         raise ModelLoadError(f"--model {model!r} is a file; give a checkpoint directory")
+    if model.startswith(("/", "./", "../", "~")):
+        raise ModelLoadError(f"--model {model!r}: no such directory")
     return model  # a hub id: transformers resolves it (needs network outside this sandbox)
 
 

@@ -84,7 +84,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"bucketserve: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if not _input_error(exc):
+            raise
+        print(f"bucketserve {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return 2
+
+
+# What an operator's input can cause (a model path that is not a model, a missing file, an empty prompt, a server
+# that is down): one line, not a traceback. By module and name, so that the check imports nothing: an instance
+# of one of these means its module is loaded.
+_INPUT_ERRORS = (("models.loading", "ModelLoadError"), ("buckets.errors", "BucketError"),
+                 ("models.params", "SamplingError"), ("planner.inputs", "PlanInputError"),
+                 ("httpx", "TransportError"))
+
+
+def _input_error(exc: Exception) -> bool:
+    if isinstance(exc, OSError):  # FileNotFoundError, IsADirectoryError, PermissionError, ConnectionError...
+        return True
+    return any(module in sys.modules and isinstance(exc, getattr(sys.modules[module], name))
+               for module, name in _INPUT_ERRORS)
 
 
 if __name__ == "__main__":

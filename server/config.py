@@ -117,8 +117,8 @@ class ServerSettings:
             raise SettingsError(
                 f"waiting_served_ratio must be finite and >= 0 (0: off), got {self.waiting_served_ratio}")
         for name in ("request_timeout", "drain_timeout"):
-            if getattr(self, name) < 0:
-                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < float("inf"):  # NaN too: a NaN drain ended every stream at once
+                raise SettingsError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
         if self.prefill_chunk_size < -1:
             raise SettingsError(
                 f"prefill_chunk_size must be -1 (auto), 0 (off) or positive, got {self.prefill_chunk_size}")

@@ -81,17 +81,21 @@ def _serve(settings: ServerSettings, mesh_spec: MeshSpec | None, launch: RankLau
     if mesh_spec is not None:
         watchdog = MeshWatchdog(engine, launch, lambda: setattr(server, "should_exit", True))
         watchdog.start()
+    startup_failed = False
     try:
         asyncio.run(server.serve())
+    except SystemExit:  # uvicorn's way out when it cannot start (a port in use): logged, app shut down
+        startup_failed = True
     finally:
         if watchdog is not None:
             watchdog.stop()
-    failed = watchdog is not None and watchdog.failure is not None
-    if failed:
+    failed = startup_failed or (watchdog is not None and watchdog.failure is not None)
+    if failed and not startup_failed:
         log.error("exiting with status 1: %s", watchdog.failure if watchdog else "")
     if engine.thread_busy:
-        # Stopped during warm-up while a graph compiles: nothing can interrupt it, and Python's exit would
-        # join inductor's compile pools (minutes). Builder processes are already gone (cancel_warmup).
+        # Stopped during warm-up while a graph compiles (or the port was taken while the model loads): nothing can
+        # interrupt it, and Python's exit would join inductor's compile pools (minutes), or abort in C++ while
+        # the thread still runs. Builder processes are already gone (cancel_warmup).
         log.warning("exiting during warm-up; the graph being compiled is abandoned")
         logging.shutdown()
         os._exit(1 if failed else 0)

@@ -26,7 +26,7 @@ from models.mesh import MeshSpec
 from models.runner import ModelRunner, PrefillRow
 from models.sampling import SampledToken, Sampler, SamplingParams
 from models.step_plan import rank_runner
-from server.config import ServerSettings
+from server.config import ServerSettings, SettingsError
 from server.engine.mesh import EngineMesh
 from server.engine.step_sampling import StepLogits, sample_step
 from server.engine.warmup_counter import WarmupCounter
@@ -46,6 +46,7 @@ class EngineModel:
 
         self.settings = settings
         self.path = model_path
+        check_device(settings.device)
         # "auto" settings resolved once, here: everything after (loading, cache key, info) uses these.
         self.dtype = resolve_dtype(settings.dtype, settings.device)
         self.num_threads = resolve_num_threads(settings.num_threads)
@@ -283,3 +284,16 @@ class EngineModel:
             k = record.key
             warmed = (k.phase, k.batch, k.length) in self.runner.warmed
             self.metrics.recompiled("guard_failure" if warmed else "unwarmed_shape")
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this torch cannot run with a SettingsError naming it, before anything loads (torch's own
+    errors come from deep inside loading: an AssertionError for CUDA, a RuntimeError on the device string)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SettingsError("--device cuda: this torch sees no CUDA device (a CPU-only build, or no GPU)")
+    if device == "neuron":
+        try:
+            torch.device("neuron")
+        except RuntimeError:
+            raise SettingsError("--device neuron needs torch-neuronx (TorchNeuron) on a Trainium host: this torch "
+                                "has no 'neuron' device") from None

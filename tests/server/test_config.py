@@ -71,6 +71,8 @@ def test_quantize_is_off_by_default_and_int8_needs_the_cpu_bf16_path() -> None:
     (["--waiting-served-ratio", "-1"], {}, "waiting_served_ratio"),
     ([], {"BUCKETSERVE_WAITING_SERVED_RATIO": "nan"}, "waiting_served_ratio"),
     (["--waiting-served-ratio", "inf"], {}, "waiting_served_ratio"),
+    (["--drain-timeout", "nan"], {}, "drain_timeout"),  # a NaN drain ended every stream at once
+    (["--request-timeout", "inf"], {}, "request_timeout"),
 ])
 def test_bad_settings_are_refused_with_the_setting_named(argv: list[str], env: dict[str, str], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
