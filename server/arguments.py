@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 from buckets import BucketError, parse_sizes
 from server.config import COMPILE_BACKENDS, DEFAULT_CHUNK, QUANTIZE_MODES, ServerSettings, SettingsError
@@ -98,10 +98,44 @@ _BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts", "indu
 _SIZE_FIELDS = {"buckets", "batch_sizes", "prefill_batch_sizes", "kv_buckets"}
 
 
+_UNSET = object()  # a default no command line can produce
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """parser.parse_args(argv), plus which dests the command line set itself (`explicit`, read by
+    settings_from_args): argparse fills every other dest with its default, so a flag given with its default value
+    (`--port 8000`) would look unset and lose to a BUCKETSERVE_* variable. Parsing once more with a marker for
+    every default tells them apart."""
+    args = parser.parse_args(argv)
+    # Accumulating actions (append, count) build on their default: they keep it, and are given when not None.
+    actions = [a for p in _parsers(parser) for a in p._actions if a.default is not argparse.SUPPRESS
+               and not isinstance(a, (argparse._AppendAction, argparse._CountAction))]
+    saved = [a.default for a in actions]
+    try:
+        for a in actions:
+            a.default = _UNSET
+        marked = parser.parse_args(argv)
+    finally:
+        for a, default in zip(actions, saved):
+            a.default = default
+    args.explicit = frozenset(k for k, v in vars(marked).items() if v is not _UNSET and v is not None)
+    return args
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerSettings:
-    """Flags given on the command line win; otherwise BUCKETSERVE_* variables; otherwise defaults."""
+    """Flags given on the command line win; otherwise BUCKETSERVE_* variables; otherwise defaults. Which flags were
+    given comes from parse_args; a namespace from plain parse_args counts a flag at its default value as not given."""
     env = os.environ if environ is None else environ
     defaults = ServerSettings()
+    explicit: frozenset[str] | None = getattr(args, "explicit", None)
     values: dict[str, Any] = {}
     for name in ServerSettings.__dataclass_fields__:
         if not hasattr(args, name):
@@ -115,7 +149,8 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
                 keys = [k.strip() for k in env_value.split(",")]  # an empty entry is refused below
             values[name] = tuple(keys)
             continue
-        if value == default and env_value is not None:
+        given = name in explicit if explicit is not None else value != default
+        if not given and env_value is not None:
             value = _from_env(name, env_value, default)
         values[name] = value
     try:

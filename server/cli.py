@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from server.arguments import add_server_arguments, settings_from_args
+from server.arguments import add_server_arguments, parse_args, settings_from_args
 from server.config import SettingsError
 
 
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:  # pragma: no cover
         pass
 
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     from server.commands.logs import configure_logging
 
     configure_logging(getattr(args, "log_format", "text") or "text")

@@ -6,14 +6,21 @@ from dataclasses import replace
 import pytest
 
 from buckets import GraphKey
-from server.arguments import add_server_arguments, settings_from_args
+from server.arguments import add_server_arguments, parse_args, settings_from_args
 from server.config import ServerSettings, SettingsError
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> ServerSettings:
     parser = argparse.ArgumentParser()
     add_server_arguments(parser)
-    return settings_from_args(parser.parse_args(argv), environ=env or {})
+    return settings_from_args(parse_args(parser, argv), environ=env or {})
+
+
+def test_a_flag_at_its_default_value_still_wins_over_the_environment() -> None:
+    env = {"BUCKETSERVE_PORT": "9000", "BUCKETSERVE_DTYPE": "float32", "BUCKETSERVE_MAX_MODEL_LEN": "512"}
+    s = parse(["--port", "8000", "--dtype", "auto"], env)
+    assert (s.port, s.dtype) == (ServerSettings().port, ServerSettings().dtype) == (8000, "auto")
+    assert s.max_model_len == 512  # not given: the environment's
 
 
 def test_flags_win_over_environment_and_defaults() -> None:
