@@ -124,6 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _current_table(args: argparse.Namespace) -> BucketTable:
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise PlanInputError(f"--max-model-len must be positive, got {args.max_model_len}")
     if args.buckets_file:
         table = BucketTable.load(args.buckets_file)
         if args.max_model_len is None:

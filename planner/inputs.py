@@ -74,7 +74,13 @@ def read_prompts_file(path: str | Path, model_dir: str) -> dict[int, int]:
         if not isinstance(row, dict):
             raise PlanInputError(f"{where}: expected an object with 'prompt' or 'messages'")
         if "messages" in row:
-            ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
+            messages = row["messages"]
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise PlanInputError(f"{where}: 'messages' must be a non-empty list of message objects")
+            try:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except Exception as exc:  # noqa: BLE001 - the template's own errors (jinja, missing keys) are input errors
+                raise PlanInputError(f"{where}: the chat template failed on these messages: {exc}") from exc
             counts[_token_count(ids)] += 1
             continue
         prompt = row.get("prompt")

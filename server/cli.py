@@ -76,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             from planner import command as plan_command
 
+            if args.model:  # the tokenizer of --prompts-file: "default" and local paths as serve reads them
+                from models.loading import resolve_model_path
+
+                args.model = resolve_model_path(args.model)
             return plan_command.run(args)
         if args.command == "bench":
             from bench import cli as bench_cli

@@ -206,3 +206,25 @@ def test_plan_from_prompts_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
                      "--out", str(out)]) == 0
     assert BucketTable.load(out).lengths == (1, 2, 3, 5, 7)
     assert "5 prompts, 5 distinct lengths" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"messages": "oops"}, "non-empty list of message objects"),
+    ({"messages": []}, "non-empty list of message objects"),
+    ({"messages": ["hi"]}, "non-empty list of message objects"),  # it used to be a TypeError's traceback
+])
+def test_bad_messages_in_a_prompts_file_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  row: dict[str, object], message: str) -> None:
+    model = tiny_tokenizer_dir(tmp_path / "tok")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n" + json.dumps(row) + "\n")
+    assert run_plan(["--prompts-file", str(prompts), "--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert "p.jsonl:2" in err and message in err
+
+
+@pytest.mark.parametrize("limit", ["0", "-5"])
+def test_a_context_length_that_is_not_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               limit: str) -> None:
+    assert run_plan(["--lengths-file", str(write_lengths(tmp_path / "l.txt")), "--max-model-len", limit]) == 2
+    assert "--max-model-len must be positive" in capsys.readouterr().err
