@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench import modelfiles
 from bench.compare import Comparison, output_bound, parse_names, run_compare
 from bench.plots import write_plots
@@ -107,6 +109,10 @@ def _tokenizer(url: str, args: argparse.Namespace, headers: dict[str, str], loca
         return remote
     if local:
         return LocalTokenizer(local)
+    try:  # a server that is down has no /tokenize either: say which it is
+        httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10)
+    except httpx.TransportError as exc:
+        raise TokenizerError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
     raise TokenizerError(f"{url} has no /tokenize endpoint: give --tokenizer DIR")
 
 

@@ -101,3 +101,15 @@ def test_build_prompts_lengths_and_offsets() -> None:
     assert [p.output_len for p in prompts] == [4, 5, 6]
     assert prompts[0].text != prompts[1].text  # different offsets: no shared prefix
     assert all(p.text_tokens == len(p.ids) for p in prompts)
+
+
+def test_a_server_that_is_down_is_named_as_such() -> None:
+    """Without /tokenize the bench asks for --tokenizer; a server that does not answer at all is told apart (it
+    used to get the same advice)."""
+    import argparse
+
+    from bench.cli import _tokenizer
+    from bench.prompts import TokenizerError
+
+    with pytest.raises(TokenizerError, match="cannot reach http://127.0.0.1:9"):
+        _tokenizer("http://127.0.0.1:9", argparse.Namespace(tokenizer=None), {}, None)
