@@ -116,9 +116,9 @@ class EngineModel:
             seconds = self.runner.warmup(keys, progress=self._on_warm, builder=builder,
                                          cancelled=self._cancel.is_set)
         self.progress.finished = time.monotonic()
-        log.info("warm-up done: %d graphs in %.1f s, %d compilations", self.progress.done, seconds,
-                 self.accountant.count())
         hits = sum(1 for r in self.accountant.records if r.cache_hit)
+        log.info("warm-up done: %d graphs in %.1f s, %d compiled, %d loaded from the compile cache",
+                 self.progress.done, seconds, self.accountant.count() - hits, hits)
         if compile_settings.cache_dir:
             log.info("compile cache %s: %d of %d graphs loaded from the cache", compile_settings.cache_dir, hits,
                      len(self.accountant.records))
