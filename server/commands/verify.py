@@ -22,7 +22,7 @@ from typing import Any
 
 from buckets import BucketTable
 from server.commands.verify_cases import Case
-from server.config import ServerSettings
+from server.config import ServerSettings, SettingsError
 
 # Token agreement below which a reduced-precision run fails: the default model in bfloat16 measured 0.85 over
 # the default table's 19 cases (docs/verify.md); 0.6 leaves room for other prompts and catches gross breakage.
@@ -192,9 +192,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results/verify", help="where report.json and report.md go")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse what would run a different check than asked (exit 2), before anything loads."""
+    if args.max_tokens < 1:
+        raise SettingsError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.num_prompts < 0:
+        raise SettingsError(f"--num-prompts must be >= 0 (0: every case), got {args.num_prompts}")
+    if not 0 <= args.min_agreement <= 1:  # NaN too
+        raise SettingsError(f"--min-agreement is a fraction of tokens in [0, 1], got {args.min_agreement}")
+
+
 def verify_main(settings: ServerSettings, args: argparse.Namespace) -> int:
     from server.commands.verify_run import run_against, run_engine
 
+    check_arguments(args)
     t0 = time.monotonic()
     if args.against:
         table, dtype, cases, ours, ref, graphs, model_name = run_against(settings, args)

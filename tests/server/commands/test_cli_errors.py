@@ -53,3 +53,15 @@ def test_a_device_this_torch_lacks(tiny_llama: str, device: str, capsys: pytest.
     backend = ["--compile-backend", "neuron"] if device == "neuron" else []
     code, err = run(["generate", "--model", tiny_llama, "--device", device, *backend, "--prompt", "hi"], capsys)
     assert code == 2 and f"--device {device}" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-prompts", "-1"], "--num-prompts"),  # ran every case
+    (["--min-agreement", "5"], "--min-agreement"),  # a bar no run can reach
+    (["--min-agreement", "nan"], "--min-agreement"),
+    (["--max-tokens", "0"], "--max-tokens"),  # a SamplingError's traceback
+])
+def test_verify_refuses_a_check_other_than_asked(tiny_llama: str, flags: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(["verify", "--model", tiny_llama, *flags], capsys)
+    assert code == 2 and message in err
