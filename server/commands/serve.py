@@ -96,7 +96,7 @@ def _serve(settings: ServerSettings, mesh_spec: MeshSpec | None, launch: RankLau
         # Stopped during warm-up while a graph compiles (or the port was taken while the model loads): nothing can
         # interrupt it, and Python's exit would join inductor's compile pools (minutes), or abort in C++ while
         # the thread still runs. Builder processes are already gone (cancel_warmup).
-        log.warning("exiting during warm-up; the graph being compiled is abandoned")
+        log.warning("exiting during warm-up; the model load or graph compile under way is abandoned")
         logging.shutdown()
         os._exit(1 if failed else 0)
     if failed:
