@@ -56,7 +56,7 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
         elif copies < 2:
             third = "; no tile copies (memory is short): small steps take oneDNN or the plain weight"
         elif dtype == torch.bfloat16 and native_matmul.amx_available():
-            third = " and the AMX matmul (a third)"
+            third = " and the AMX and vector matmuls on a tile copy (a third)"
         elif dtype == torch.bfloat16 and native_matmul.tiled_available():
             third = " and the vector matmul on a tile copy (a third)"
         log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", prepacked, third)

@@ -68,8 +68,8 @@ def amx_available() -> bool:
 
 
 def tiled_available() -> bool:
-    """The vector matmul on the tile copy (tiled_matmul.c) runs here: the kernels' build has AVX512-BF16 and the
-    CPU no AMX (where it has, the tiles' own products read the copy)."""
+    """The vector matmul on the tile copy (tiled_matmul.c) serves 1-128 rows here: the kernels' build has
+    AVX512-BF16 and the CPU no AMX (where it has, the AMX matmul serves 2-128 rows, and this one rows of one)."""
     return available() and has("matmul") and not has("amx")
 
 

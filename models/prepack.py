@@ -12,7 +12,9 @@ a shape the op does not know) takes the plain `F.linear`: same result, just slow
 
 Steps of 2-128 rows take bucketserve's AMX matmul on a third copy in the tiles' layout where the CPU has AMX
 (models/native_matmul.py: 1.1-1.4x oneDNN there: decode steps are memory-bound and oneDNN streams their weights at ~7
-GB/s of one core's ~12), and one-row steps its small matmul on the plain weight. Without AMX, steps of 1-128 rows
+GB/s of one core's ~12), and one-row steps the vector matmul below on the same copy (Intel Xeon, one thread: the
+211 weights of a step 22.0 ms against 24.1 for the small matmul on the plain weight; a batch-1 decode step 28.6 /
+27.7 -> 25.3 / 26.2 ms). Without AMX, steps of 1-128 rows
 take the vector matmul (AVX512-BF16) on the same tile copy (measured on an AMD EPYC: 1.3x the small matmul at one
 row, 1.4-2x oneDNN at 1-16 rows, 1.1x at 64); where there is no tile copy (N not a multiple of 32), 1-2 rows the
 small matmul. Larger steps (prompts) stay with oneDNN. Which kernel and copy each step size reads is chosen once per weight
@@ -97,7 +99,7 @@ class Packed(NamedTuple):
 
 def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too: bool = True) -> Packed:
     """The copies of `weight` (oneDNN's, and the tile or int8 tile copy) and which kernel each step size reads:
-    int8 (1-128 rows) where quantized; with AMX the small matmul for one row and the AMX tiles for 2-128; without,
+    int8 (1-128 rows) where quantized; with AMX the vector matmul for one row and the AMX tiles for 2-128; without,
     the vector matmul on the tile copy for 1-128 (the small matmul for 1-2 where there is no tile copy);
     float32: the fp32 vector matmul on its fp32 tile copy for 1-32 rows (else the fp32 one-row matmul for one).
     Without `tiles_too` (memory is short) no tile copy: the kernels that read the plain weight, else oneDNN."""
@@ -116,7 +118,7 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too
         return Packed(weight.shape, weight.dtype, onednn, None, q8, int8, int8, AMX_MAX_ROWS)
     if tiles is not None and amx_available():
         amx: Kernel = (AMX, tiles.data_ptr(), 0)
-        return Packed(weight.shape, weight.dtype, onednn, tiles, None, small or amx, amx, AMX_MAX_ROWS)
+        return Packed(weight.shape, weight.dtype, onednn, tiles, None, (TILED, tiles.data_ptr(), 0), amx, AMX_MAX_ROWS)
     if tiles is not None:
         vector: Kernel = (TILED, tiles.data_ptr(), 0)
         return Packed(weight.shape, weight.dtype, onednn, tiles, None, vector, vector, TILED_MAX_ROWS)

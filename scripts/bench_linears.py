@@ -4,10 +4,10 @@ output head), random weights, through each kernel that can run them here, at a f
     python scripts/bench_linears.py [--dtype bfloat16|float32] [--rows 1,2,4,8,16,64] [--reps 7]
 
 Prints, per row count, the median ms of the whole set for: oneDNN on its packed copy; the vector matmul on the tile
-copy (tiled_matmul.c); in bf16 the int8 kernel on the weights' int8 copy (`--quantize int8`: AMX's, or the vector
-one); and where they apply the small matmul (bf16, 1-4 rows) and the one-row fp32 kernel (small_matmul.c) on the
-plain weight. Kernel calls go straight to the C entry (models/native_matmul.packed_linear), as
-the linear op makes them.
+copy (tiled_matmul.c); in bf16 where the CPU has AMX, the AMX matmul on the same copy (2-128 rows); the int8
+kernel on the weights' int8 copy (`--quantize int8`: AMX's, or the vector one); and where they apply the small
+matmul (bf16, 1-4 rows) and the one-row fp32 kernel (small_matmul.c) on the plain weight. Kernel calls go straight
+to the C entry (models/native_matmul.packed_linear), as the linear op makes them.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def _row_count(rows: int, dtype: torch.dtype, weights: list[torch.Tensor], onedn
     result = {"oneDNN": _median_ms(dnn, reps)}
     if rows <= (native_matmul.TILED_F32_MAX_ROWS if f32 else native_matmul.TILED_MAX_ROWS):
         result["tiled"] = _median_ms(kernel(native_matmul.TILED_F32 if f32 else native_matmul.TILED, tiles), reps)
+    if not f32 and native_matmul.amx_available() and native_matmul.AMX_MIN_ROWS <= rows <= native_matmul.AMX_MAX_ROWS:
+        result["amx"] = _median_ms(kernel(native_matmul.AMX, tiles), reps)
     if int8 and rows <= native_matmul.TILED_MAX_ROWS:
         result["int8"] = _median_ms(kernel(native_matmul.int8_kind(), [q for q, _ in int8], [s for _, s in int8]),
                                     reps)

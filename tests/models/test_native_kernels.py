@@ -238,7 +238,7 @@ def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     if native_matmul.small_matmul(inputs[1][0], layer.weight) is None:
         pytest.skip("no AVX512-BF16 on this CPU")
     if native_matmul.amx_available():
-        assert taken == [("small", 1), ("amx", 2), ("amx", 4), ("amx", 5), ("amx", 128)]  # 129 rows: oneDNN
+        assert taken == [("tiled", 1), ("amx", 2), ("amx", 4), ("amx", 5), ("amx", 128)]  # 129 rows: oneDNN
     else:
         assert taken == [("tiled", 1), ("tiled", 2), ("tiled", 4), ("tiled", 5), ("tiled", 128)]  # 129: oneDNN
 
@@ -306,7 +306,7 @@ def test_tile_matmuls_equal_a_float32_matmul(kernel: str, rows: int, out_feature
     if kernel == "amx":
         _amx_or_skip()
         if rows < native_matmul.AMX_MIN_ROWS:
-            pytest.skip("one row is the small matmul's")
+            pytest.skip("one row is the vector matmul's")
     elif not (native.available() and native.has("matmul")):
         pytest.skip("no AVX512-BF16 on this CPU")
     matmul = native_matmul.amx_matmul if kernel == "amx" else native_matmul.tiled_matmul
