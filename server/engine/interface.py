@@ -84,7 +84,7 @@ class TokenEvent:
 class WarmupProgress:
     graphs_done: int
     graphs_total: int
-    seconds: float
+    seconds: float  # since the engine began (model load and warm-up), frozen once warm-up ends
     ready: bool
     draining: bool
     failed: str | None

@@ -26,7 +26,7 @@ from models.mesh import MeshSpec
 from models.runner import ModelRunner, PrefillRow
 from models.sampling import SampledToken, Sampler, SamplingParams
 from models.step_plan import rank_runner
-from server.config import ServerSettings, SettingsError
+from server.config import DEFAULT_MAX_MODEL_LEN, ServerSettings, SettingsError
 from server.engine.mesh import EngineMesh
 from server.engine.step_sampling import StepLogits, sample_step
 from server.engine.warmup_counter import WarmupCounter
@@ -56,7 +56,11 @@ class EngineModel:
         settings.check_quantize()
         settings.check_cuda_graphs()
         # Mixed steps' attention op has no sliding windows: such models keep separate prefill and decode steps.
-        self.table = table or settings.bucket_table(max_positions(self.config), mixed_ok=full_attention_only(self.config))
+        limit = max_positions(self.config)
+        self.table = table or settings.bucket_table(limit, mixed_ok=full_attention_only(self.config))
+        if settings.max_model_len > max(limit, DEFAULT_MAX_MODEL_LEN):  # the default is capped without a word
+            log.warning("--max-model-len %d is above the model's %d positions: each sequence gets %d",
+                        settings.max_model_len, limit, min(limit, self.table.context_length))
         self.name = settings.served_model_name or model_display_name(model_path)
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config

@@ -11,12 +11,20 @@ from dataclasses import dataclass, field
 class WarmupCounter:
     total: int
     done: int = 0
-    started: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.monotonic)  # the engine began: model load, then warm-up
+    started: float = field(default_factory=time.monotonic)  # warm-up began (set again when it does)
     finished: float = 0.0
 
     @property
     def seconds(self) -> float:
+        """The warm-up's own seconds (graphs only: what precompile reports)."""
         return (self.finished or time.monotonic()) - self.started
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the engine began, model load included, until warm-up ended: what /ready reports. Never
+        steps back when warm-up begins (its own clock, `seconds`, restarts there)."""
+        return (self.finished or time.monotonic()) - self.created
 
     def eta(self) -> float:
         if self.done == 0:
