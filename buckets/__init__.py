@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from buckets.sizes import flag_sizes
 from buckets.table import (
     BatchTooLargeError,
     BucketError,
@@ -18,6 +19,7 @@ __all__ = [
     "BucketTable",
     "GraphKey",
     "PromptTooLongError",
+    "flag_sizes",
     "parse_sizes",
     "powers_of_two",
 ]

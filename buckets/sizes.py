@@ -4,6 +4,8 @@ and the smallest size that covers a count. The sizes themselves are the table's 
 
 from __future__ import annotations
 
+import argparse
+
 from buckets.errors import BatchTooLargeError, BucketError
 
 
@@ -40,6 +42,19 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError as exc:
         raise BucketError(f"cannot parse size list {text!r}: {exc}") from exc
+
+
+def flag_sizes(text: str) -> tuple[int, ...]:
+    """An argparse `type` for a size-list flag: parse_sizes, with its error as the flag's own message, and an empty
+    list refused (a flag given as "" would otherwise mean its default without a word; leave the flag out for that).
+    The BUCKETSERVE_* variables keep "" as the default: the Helm chart renders an empty list so."""
+    try:
+        sizes = parse_sizes(text)
+    except BucketError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not sizes:
+        raise argparse.ArgumentTypeError("an empty size list (leave the flag out for the defaults)")
+    return sizes
 
 
 def smallest_at_least(sizes: tuple[int, ...], rows: int) -> int:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from buckets import BucketError, BucketTable, parse_sizes
+from buckets import BucketError, BucketTable, flag_sizes
 from buckets.planner import Evaluation, Lengths, PlanResult, default_alpha, evaluate, plan_buckets, to_histogram
 from planner.inputs import (
     DEFAULT_METRIC,
@@ -97,11 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-graphs", "--max-buckets", dest="max_graphs", type=int, default=None, metavar="K",
                         help="most length buckets to propose (each costs one graph per prefill batch size); "
                         "default: as many as the current table")
-    parser.add_argument("--buckets", type=parse_sizes, default=None,
+    parser.add_argument("--buckets", type=flag_sizes, default=None,
                         help="current length buckets, e.g. 64,128,256 (default: powers of two from 64 to the limit)")
     parser.add_argument("--buckets-file", default=None, help="current bucket table JSON (keeps its batch sizes)")
-    parser.add_argument("--batch-sizes", type=parse_sizes, default=(1, 2, 4, 8))
-    parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=(1,))
+    parser.add_argument("--batch-sizes", type=flag_sizes, default=(1, 2, 4, 8))
+    parser.add_argument("--prefill-batch-sizes", type=flag_sizes, default=(1,))
     parser.add_argument("--max-model-len", type=int, default=None,
                         help=f"context limit; longer prompts are reported and excluded (default: the buckets "
                         f"file's context length, else {DEFAULT_LIMIT})")

@@ -9,7 +9,7 @@ import argparse
 import os
 from typing import Any, Iterator, Sequence
 
-from buckets import BucketError, parse_sizes
+from buckets import BucketError, flag_sizes, parse_sizes
 from server.config import COMPILE_BACKENDS, DEFAULT_CHUNK, QUANTIZE_MODES, ServerSettings, SettingsError
 
 
@@ -38,19 +38,19 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU: carry prompt tokens in the decode steps (one pass over the weights for both; "
                              "default on)")
     parser.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=d.native_kernels,
-                        help="CPU: decode attention (bfloat16 and float32) and bfloat16 linears of 1-4 rows in "
-                             "bucketserve's own kernels, built on first use with the C compiler (default on; off: "
-                             "PyTorch's SDPA and oneDNN)")
+                        help="CPU: attention (bfloat16 and float32), linears of 1-128 rows (bfloat16; float32: 1-32) "
+                             "and bfloat16 RMSNorms in bucketserve's own kernels, built on first use with the C "
+                             "compiler (default on; off: PyTorch's SDPA, oneDNN and inductor's)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
                         help="--device cuda: replay each step's graph as CUDA graphs (inductor's cudagraph trees): "
                              "one launch a step instead of one a kernel (default off)")
     parser.add_argument("--quantize", default=d.quantize, choices=list(QUANTIZE_MODES),
                         help="int8: steps of 1-128 rows (decode) read weight-only int8 copies of the linears, per "
                              "output channel (CPU bfloat16 with AMX or AVX512-BF16; prompts of more tokens keep bf16)")
-    parser.add_argument("--buckets", type=parse_sizes, default=d.buckets, help="prompt-length buckets, e.g. 64,128,256")
-    parser.add_argument("--batch-sizes", type=parse_sizes, default=d.batch_sizes, help="decode batch buckets")
-    parser.add_argument("--prefill-batch-sizes", type=parse_sizes, default=d.prefill_batch_sizes)
-    parser.add_argument("--kv-buckets", type=parse_sizes, default=d.kv_buckets,
+    parser.add_argument("--buckets", type=flag_sizes, default=d.buckets, help="prompt-length buckets, e.g. 64,128,256")
+    parser.add_argument("--batch-sizes", type=flag_sizes, default=d.batch_sizes, help="decode batch buckets")
+    parser.add_argument("--prefill-batch-sizes", type=flag_sizes, default=d.prefill_batch_sizes)
+    parser.add_argument("--kv-buckets", type=flag_sizes, default=d.kv_buckets,
                         help="decode KV-length buckets, ending at the context length (default: the context on the CPU, "
                              "whose attention reads only what each row sees; else powers of two from 256)")
     parser.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size,
@@ -164,7 +164,7 @@ def _from_env(name: str, text: str, default: Any) -> Any:
         if name in _BOOL_FIELDS:
             return text.strip().lower() in ("1", "true", "yes", "on")
         if name in _SIZE_FIELDS:
-            return parse_sizes(text)
+            return parse_sizes(text) or default  # "": the default (the Helm chart's empty list)
         if isinstance(default, bool):
             return text.strip().lower() in ("1", "true", "yes", "on")
         if isinstance(default, int):

@@ -170,3 +170,18 @@ def test_cuda_graphs_are_off_by_default_and_only_for_cuda_with_inductor() -> Non
     for argv in (["--cuda-graphs"], ["--device", "cuda", "--compile-backend", "eager", "--cuda-graphs"]):
         with pytest.raises(SettingsError, match="--cuda-graphs needs --device cuda"):
             parse(argv).check_cuda_graphs()
+
+
+@pytest.mark.parametrize("flag", ["--buckets", "--batch-sizes", "--prefill-batch-sizes", "--kv-buckets"])
+def test_an_empty_size_list_flag_is_refused_but_an_empty_variable_means_the_default(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--buckets ""` meant the default buckets without a word; the flag now says what is wrong. The environment
+    keeps "" as the default (the Helm chart renders an empty list so)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse([flag, ""])
+    assert exit_info.value.code == 2 and "empty size list" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse([flag, "64,x"])
+    assert "cannot parse size list '64,x'" in capsys.readouterr().err  # not argparse's "invalid parse_sizes value"
+    variable = "BUCKETSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+    assert parse([], {variable: ""}) == ServerSettings()
