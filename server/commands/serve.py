@@ -3,7 +3,9 @@
 On SIGTERM / SIGINT the first time: /ready turns 503 and new requests get 503 + Retry-After while the
 listener stays open (so a load balancer sees the drain rather than refused connections); in-flight
 requests run to completion up to --drain-timeout; then whatever is left ends with finish_reason "abort",
-uvicorn shuts down and the process exits 0. A second signal exits at once.
+uvicorn shuts down and the process exits 0. A second signal cuts the drain short: every request still running
+ends at once with finish_reason "abort" (streams get their final event), and the server shuts down as after a drain
+(exit 0). A third exits without waiting for anything.
 """
 
 from __future__ import annotations
@@ -35,10 +37,22 @@ class DrainingServer(uvicorn.Server):
         self.engine = engine
         self.drain_timeout = drain_timeout
         self._draining = False
+        self._cut = False  # a second signal cut the drain short
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._draining:
+        if self._cut:  # a third: uvicorn's own forced exit (handlers cancelled mid-response)
+            log.warning("signal %d a third time: exiting without waiting", sig)
             self.force_exit = True
+            self.should_exit = True
+            return
+        if self._draining:
+            # Not uvicorn's forced exit: that cancels every handler mid-stream (clients saw a truncated chunked
+            # body, the log a CancelledError traceback per request) and skips the app's shutdown, so the engine
+            # thread was never stopped. Ending the requests lets each stream write its final event and the
+            # server shut down as after a drain, in moments.
+            self._cut = True
+            log.warning("signal %d again: cutting the drain short, ending every request now", sig)
+            self.engine.abort_all("drain", "the server is shutting down")
             self.should_exit = True
             return
         self._draining = True
@@ -48,6 +62,8 @@ class DrainingServer(uvicorn.Server):
 
     def _finish_drain(self) -> None:
         idle = self.engine.wait_idle(self.drain_timeout)
+        if self._cut:
+            return  # handle_exit ended the requests and the server
         log.info("drain %s; shutting down", "complete" if idle else "timed out, aborting the rest")
         if not idle:
             # End what is left with a final event (finish_reason "abort") while clients still read,

@@ -70,6 +70,39 @@ def test_sigterm_drains_in_flight_streams_refuses_new_and_exits_zero(tiny_llama:
     assert any(r["message"].startswith("warm-up 1/") for r in lines)
 
 
+def test_a_second_sigterm_ends_every_stream_with_a_final_event_and_shuts_down_cleanly(tiny_llama: str,
+                                                                                       tmp_path: Path) -> None:
+    """The second signal cuts a 60 s drain short. It used to be uvicorn's forced exit: each stream was cut
+    mid-body (a truncated chunked response), the log held a CancelledError traceback per request, and the app's
+    shutdown (which stops the engine thread) never ran."""
+    log = tmp_path / "server.log"
+    server = ServerProcess(tiny_llama, *TINY_FLAGS, "--max-model-len", "512", "--compile-backend", "eager",
+                           "--drain-timeout", "60", log_path=log)
+    try:
+        server.wait_ready()
+        results: list = []
+        threads = [threading.Thread(target=stream_completion, args=(server.url, 480, results)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        while server.metric("bucketserve_bucket_requests_total") < 4:
+            time.sleep(0.005)
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(30)
+        seconds = time.monotonic() - started
+        for t in threads:
+            t.join(30)
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert code == 0 and seconds < 10  # not the 60 s drain
+    assert len(results) == 4 and all(finish == "abort" and 0 < chunks < 480 for chunks, finish in results), results
+    assert "Traceback" not in text and "CancelledError" not in text
+    assert "cutting the drain short" in text and "Application shutdown complete" in text
+
+
 def test_compile_cache_key_changes_with_dtype_buckets_and_model(tiny_llama: str, tmp_path: Path) -> None:
     base = tiny_settings(compile_backend="inductor", compile_cache_dir=str(tmp_path))
     key = build_model(base, tiny_llama).compile_cache_dir()
