@@ -126,7 +126,11 @@ def test_zero_rows_skip_the_kernel_and_the_other_rows_keep_their_bits(
         zero = (x == 0).all(dim=1)
         got = torch.ops.bucketserve.linear(x, layer.weight, layer.bias)
         assert torch.equal(got, linear_cpu(x, layer.weight, layer.bias)), (rows, pattern)
-        assert torch.equal(got[~zero], linear_cpu(x[~zero], layer.weight, layer.bias)), (rows, pattern)
+        # the same kernel on the live rows alone (linear_cpu could pick another for one row: fp32 on AMX CPUs)
+        alone = native_matmul.packed_linear(x[~zero].contiguous(), kernel, n)
+        assert alone is not None or not (~zero).any()
+        if alone is not None:
+            assert torch.equal(got[~zero], alone if layer.bias is None else alone.add_(layer.bias)), (rows, pattern)
         if dtype == torch.bfloat16 and not bias:
             gate, up = _layer(128, k, dtype, False, 12, quantize), _layer(128, k, dtype, False, 13, quantize)
             got = torch.ops.bucketserve.gated_silu(x, gate.weight, None, up.weight, None)

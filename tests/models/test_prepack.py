@@ -104,20 +104,20 @@ def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: 
 def test_float32_takes_the_vector_kernel_for_1_to_32_rows_mkl_with_kernels_off_and_onednn_for_more(
         tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """float32: 1-32 rows take the native fp32 vector matmul on the fp32 tile copy (sums in another order: equal
-    within fp32 rounding); with the kernels off one row takes MKL's plain matmul (bit for bit the reference's);
+    within fp32 rounding), but one row on an AMX CPU the one-row matmul on the plain weight; with the kernels off one row takes MKL's plain matmul (bit for bit the reference's);
     more rows (and 2-32 with the kernels off) read oneDNN's packed copy (equal within fp32 rounding)."""
     model = load_model(tiny_llama, "float32", "cpu")
     assert prepack(model) > 0
     layer = next(m for m in model.modules() if isinstance(m, PrepackedLinear))
     w = layer.weight.detach()
     one, rows, many = (torch.randn(n, w.shape[1]) for n in (1, 8, 33))
-    kernel_calls: list[int] = []
+    kernel_calls: list[tuple[int, int]] = []  # (kind, rows)
     real_packed = prepack_module.packed_linear
 
     def counted(x: torch.Tensor, kernel: native_matmul.Kernel, n: int) -> torch.Tensor | None:
         out = real_packed(x, kernel, n)
         if out is not None:
-            kernel_calls.append(x.shape[0])
+            kernel_calls.append((kernel[0], x.shape[0]))
         return out
 
     onednn_calls: list[int] = []
@@ -133,7 +133,8 @@ def test_float32_takes_the_vector_kernel_for_1_to_32_rows_mkl_with_kernels_off_a
         torch.testing.assert_close(linear_cpu(x, w, layer.bias), nn.functional.linear(x, w, layer.bias), rtol=1e-5,
                                    atol=1e-5)
     if native.available() and native.has("matmul"):
-        assert kernel_calls == [1, 8] and onednn_calls == [33]
+        first = native_matmul.ONE_ROW_F32 if native_matmul.amx_available() else native_matmul.TILED_F32
+        assert kernel_calls == [(first, 1), (native_matmul.TILED_F32, 8)] and onednn_calls == [33]
     monkeypatch.setitem(native_library._switch, "on", False)
     kernel_calls.clear()
     onednn_calls.clear()
