@@ -33,7 +33,8 @@ rounding; the small-row kernel sums in another order, also in fp32).
 
 float32 (the reference dtype): steps of 1-32 rows take the fp32 vector matmul on a fp32 tile copy
 (models/csrc/tiled_matmul.c; AMD EPYC: 1.24x the plain-weight one-row kernel at one row, 1.8x oneDNN at 8 rows,
-1.25x at 16; on AMX CPUs one row takes the one-row kernel, faster there), where there is none the native fp32 one-row matmul on the plain weight (models/csrc/small_matmul.c:
+1.25x at 16; on AMX CPUs one row takes the one-row kernel, faster there), where there is none the native fp32
+one-row matmul on the plain weight (models/csrc/small_matmul.c:
 16 weight rows streamed at a time, ~1.5x MKL's sgemv here, fp32 sums in another order) for one row, or MKL's, as
 transformers' eager path does, where the native kernels are off or do not take the weight; more rows oneDNN's
 fp32 matmul on the packed copy. MKL's sgemm is slow at a few rows here (one thread, 8 rows:
