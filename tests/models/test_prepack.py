@@ -104,7 +104,8 @@ def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: 
 def test_float32_takes_the_vector_kernel_for_1_to_32_rows_mkl_with_kernels_off_and_onednn_for_more(
         tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """float32: 1-32 rows take the native fp32 vector matmul on the fp32 tile copy (sums in another order: equal
-    within fp32 rounding), but one row on an AMX CPU the one-row matmul on the plain weight; with the kernels off one row takes MKL's plain matmul (bit for bit the reference's);
+    within fp32 rounding), but one row on an AMX CPU the one-row matmul on the plain weight; with the kernels
+    off one row takes MKL's plain matmul (bit for bit the reference's);
     more rows (and 2-32 with the kernels off) read oneDNN's packed copy (equal within fp32 rounding)."""
     model = load_model(tiny_llama, "float32", "cpu")
     assert prepack(model) > 0
