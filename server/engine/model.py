@@ -60,7 +60,7 @@ class EngineModel:
         self.table = table or settings.bucket_table(limit, mixed_ok=full_attention_only(self.config))
         if settings.max_model_len > max(limit, DEFAULT_MAX_MODEL_LEN):  # the default is capped without a word
             log.warning("--max-model-len %d is above the model's %d positions: each sequence gets %d",
-                        settings.max_model_len, limit, min(limit, self.table.context_length))
+                        settings.max_model_len, limit, self.table.context_length)
         self.name = settings.served_model_name or model_display_name(model_path)
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
