@@ -38,8 +38,12 @@ class ActiveRequest:
             self.gaps.append(now - self.last_token_at)
         self.last_token_at = now
         if reason is not None:
-            self.log(reason, now, tokenizer)
-            metrics.request_finished(self.seq.bucket, now - self.arrival, self.seq.num_generated, self.gaps, reason)
+            self.finish(reason, now, metrics, tokenizer)
+
+    def finish(self, reason: str, now: float, metrics: Any, tokenizer: Any = None) -> None:
+        """The request ended with its last token at `now` (`stop` or `length`): request log and metrics."""
+        self.log(reason, now, tokenizer)
+        metrics.request_finished(self.seq.bucket, now - self.arrival, self.seq.num_generated, self.gaps, reason)
 
     def on_end(self, abort_reason: str, finish_reason: str, metrics: Any, tokenizer: Any = None) -> None:
         """The request ended without a final token (abort, timeout, error, stop string)."""

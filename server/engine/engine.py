@@ -136,10 +136,11 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         return self.submit_many([prompt_ids], [params], [request_id or f"req-{uuid.uuid4().hex[:16]}"])[0]
 
-    def submit_many(self, prompts: list[list[int]], params: list[SamplingParams],
-                    request_ids: list[str]) -> list[RequestHandle]:
+    def submit_many(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str], *,
+                    settled_by_client: bool = False) -> list[RequestHandle]:
         """Admit several sequences (the n choices of one request) atomically: all are queued, or none is
-        and the refusal propagates. Each is checked against the bucket table once (Scheduler.add_many)."""
+        and the refusal propagates. Each is checked against the bucket table once (Scheduler.add_many).
+        settled_by_client: the caller matches stop strings and settles each handle (RequestBook.hold)."""
         limit = self.vocab_limit
         for prompt_ids in prompts:
             for token in prompt_ids:
@@ -170,7 +171,7 @@ class Engine:
             handles = []
             for prompt_ids, sampler, seq in zip(prompts, samplers, seqs):
                 handle = RequestHandle(seq.request_id, len(prompt_ids), seq.bucket, seq.bucket - len(prompt_ids),
-                                       loop, self.abort)
+                                       loop, self.abort, self._book.settle if settled_by_client else None)
                 self._active[seq.request_id] = ActiveRequest(handle, seq, sampler, prompt_ids, now, deadline)
                 handles.append(handle)
             self._wake.notify_all()
@@ -281,6 +282,8 @@ class Engine:
             for rid, tok in live.items():
                 reason = finished.get(rid)
                 active = self._active.pop(rid) if reason is not None else self._active[rid]
+                if reason is not None:
+                    self._book.hold(active, reason)
                 out.append((active, TokenEvent(tok.token_id, tok.logprob, tok.top_logprobs, reason)))
         deliver_step([(active.handle, [event]) for active, event in out])
         for active, event in out:

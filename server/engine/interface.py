@@ -101,6 +101,8 @@ class RequestHandle:
     padded_tokens: int
     loop: asyncio.AbstractEventLoop = field(repr=False)
     _abort: Callable[[str, str], None] = field(repr=False)
+    # set where the client matches stop strings (submit_many's `settled_by_client`): RequestBook.settle
+    _settle: Callable[[str, bool], None] | None = field(default=None, repr=False)
     _queue: asyncio.Queue[TokenEvent] = field(init=False, repr=False)
     _done: bool = field(default=False, init=False)
 
@@ -122,6 +124,20 @@ class RequestHandle:
     def abort(self, reason: str = "client") -> None:
         if not self._done:
             self._abort(self.request_id, reason)
+
+    @property
+    def settled_by_client(self) -> bool:
+        """The client matches stop strings, so a `length` end is counted once it says whether one matched."""
+        return self._settle is not None
+
+    def settle(self, stop_string: bool) -> None:
+        """On the event loop, once the client has seen the end (or given up): whether a stop string ended the
+        text. Why: a stop string that completes on the last allowed token makes the answer's finish reason `stop`
+        where the engine saw `length`; the engine holds such an end's accounting (metrics, request log) until
+        this. Once per request; a no-op for a handle without stop strings or an end the engine did not hold."""
+        settle, self._settle = self._settle, None
+        if settle is not None:
+            settle(self.request_id, stop_string)
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         while not self._done:
@@ -175,7 +191,8 @@ class EngineAPI(Protocol):
     def progress(self) -> WarmupProgress: ...
     def is_ready(self) -> bool: ...
     def is_alive(self) -> bool: ...
-    def submit_many(self, prompts: list[list[int]], params: list[SamplingParams],
-                    request_ids: list[str]) -> list[RequestHandle]:
-        """Queue every sequence or none (the refusal propagates: QueueFullError, PromptTooLongError, ...)."""
+    def submit_many(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str], *,
+                    settled_by_client: bool = False) -> list[RequestHandle]:
+        """Queue every sequence or none (the refusal propagates: QueueFullError, PromptTooLongError, ...).
+        settled_by_client: the caller matches stop strings and calls each handle's `settle` once it has read it."""
         ...

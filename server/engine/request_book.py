@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from buckets.scheduler import Scheduler
@@ -30,6 +31,17 @@ def retry_after_seconds(finished: Iterable[float], now: float, waiting: int) -> 
     return float(min(60, max(1, round((waiting + 1) / rate))))
 
 
+@dataclass
+class _HeldEnd:
+    """A `length` end whose accounting waits for two threads: the engine's (the last token's own accounting, then
+    `active`/`at` set) and the client's (`stop_string` set by RequestHandle.settle). Whichever comes second counts
+    it, so the count never depends on which thread runs first."""
+
+    active: ActiveRequest | None = None
+    at: float = 0.0
+    stop_string: bool | None = None
+
+
 class RequestBook:
     def __init__(self, scheduler: Scheduler, metrics: SafeHooks, request_timeout: float, max_batch: int,
                  log_tokenizer: Any = None) -> None:
@@ -42,6 +54,7 @@ class RequestBook:
         self.wake = threading.Condition(self.lock)  # the engine thread waits on it for work
         self.active: dict[str, ActiveRequest] = {}
         self._finished_times: deque[float] = deque(maxlen=256)  # completion times, for Retry-After
+        self._held: dict[str, _HeldEnd] = {}  # `length` ends the client settles (see hold)
 
     def retry_after(self) -> float:
         """Seconds until a queued request is likely to start, from the measured completion rate."""
@@ -76,10 +89,44 @@ class RequestBook:
         for request_id in self.ids():
             self.finish_error(request_id, message)
 
+    def hold(self, active: ActiveRequest, reason: str) -> None:
+        """Lock held, as the engine ends a request (before its last event goes out): where the client matches
+        stop strings, a `length` end is counted only once it has settled (RequestHandle.settle), since a stop
+        string completed by the last token makes the answer `stop`."""
+        if reason == "length" and active.handle.settled_by_client:
+            self._held[active.handle.request_id] = _HeldEnd()
+
     def account_token(self, active: ActiveRequest, now: float, reason: str | None) -> None:
-        active.on_token(now, reason, self.metrics, self.log_tokenizer)
-        if reason is not None:
-            self._finished_times.append(now)
+        held = self._held.get(active.handle.request_id) if reason is not None else None
+        if held is None:
+            active.on_token(now, reason, self.metrics, self.log_tokenizer)
+            if reason is not None:
+                self._finished_times.append(now)
+            return
+        active.on_token(now, None, self.metrics, self.log_tokenizer)  # the token; its end waits for the client
+        with self.lock:
+            held.active, held.at = active, now
+            if held.stop_string is None:
+                return
+            del self._held[active.handle.request_id]
+        self._count_held(held)
+
+    def settle(self, request_id: str, stop_string: bool) -> None:
+        """From the event loop (RequestHandle.settle): whether a stop string ended the request's text."""
+        with self.lock:
+            held = self._held.get(request_id)
+            if held is None:
+                return
+            held.stop_string = stop_string
+            if held.active is None:
+                return  # the engine thread counts it after its own accounting of the last token
+            del self._held[request_id]
+        self._count_held(held)
+
+    def _count_held(self, held: _HeldEnd) -> None:
+        assert held.active is not None
+        held.active.finish("stop" if held.stop_string else "length", held.at, self.metrics, self.log_tokenizer)
+        self._finished_times.append(held.at)
 
     def account_end(self, active: ActiveRequest, abort_reason: str, finish_reason: str) -> None:
         active.on_end(abort_reason, finish_reason, self.metrics, self.log_tokenizer)

@@ -52,7 +52,7 @@ def admit(state: AppState, prompts: Sequence[list[int]], params: Sequence[Sampli
         check_ids(state, p.stop_token_ids, "stop_token_ids")
     ids = [f"{request_id}-{i}" for i in range(len(prompts))]
     try:
-        handles = state.engine.submit_many(list(prompts), list(params), ids)
+        handles = state.engine.submit_many(list(prompts), list(params), ids, settled_by_client=any(stops))
     except Exception as exc:
         _count_rejection(state, exc)
         raise

@@ -64,6 +64,7 @@ class SequenceRun:
         if not self.finished:
             self.finished = True
             self.handle.abort(reason)
+        self.handle.settle(self.stopper.matched is not None)  # an end the engine held is counted now
 
     async def steps(self) -> AsyncIterator[TextDelta]:
         """Deltas until the sequence ends; the last one carries the finish reason."""
@@ -83,6 +84,7 @@ class SequenceRun:
                 text += tail + self.stopper.flush()
                 reason = STOP_STRING if matched else FinishReason(ev.finish_reason)
                 self.finished = True
+                self.handle.settle(matched)
                 yield TextDelta(text, ev.token_id, ev.logprob, ev.top_logprobs, reason, ev.error)
                 return
             self.finished = True  # the engine promises a final event; be safe if it ends early

@@ -137,8 +137,8 @@ class FakeEngine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         return self.submit_many([prompt_ids], [params], [request_id or uuid.uuid4().hex])[0]
 
-    def submit_many(self, prompts: list[list[int]], params: list[SamplingParams],
-                    request_ids: list[str]) -> list[RequestHandle]:
+    def submit_many(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str], *,
+                    settled_by_client: bool = False) -> list[RequestHandle]:
         """All or none, like the real engine: every check runs before anything is queued."""
         if self._failed is not None:
             raise EngineDeadError(self._failed)

@@ -1,8 +1,15 @@
-"""Retry-After from the engine's completion rate (server/engine/request_book.py)."""
+"""Retry-After from the engine's completion rate, and ends the client settles (server/engine/request_book.py)."""
 
 from __future__ import annotations
 
-from server.engine.request_book import retry_after_seconds
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from server.engine.active_request import ActiveRequest
+from server.engine.interface import RequestHandle
+from server.engine.request_book import RequestBook, retry_after_seconds
 
 
 def test_a_burst_after_idle_time_gives_its_own_rate() -> None:
@@ -27,3 +34,64 @@ def test_nothing_finished_lately() -> None:
     assert retry_after_seconds([now - 120.0, now - 61.0], now, waiting=3) == 5.0  # older than a minute
     # one completion 30 s ago and nothing since: slow, ~30 s a request
     assert retry_after_seconds([now - 30.0], now, waiting=1) == 60.0
+
+
+class _Finishes:
+    """The metrics hooks the book calls, recording how requests finished."""
+
+    def __init__(self) -> None:
+        self.finished: list[str] = []
+
+    def first_token(self, bucket: int, seconds: float) -> None:
+        pass
+
+    def prefill_chunks(self, chunks: int) -> None:
+        pass
+
+    def request_finished(self, bucket: int, seconds: float, output_tokens: int, inter_token: list[float],
+                         finish_reason: str) -> None:
+        self.finished.append(finish_reason)
+
+
+def _held_request(book: RequestBook, settles: bool) -> ActiveRequest:
+    loop = asyncio.new_event_loop()
+    loop.close()  # the handle's loop is never used here
+    handle = RequestHandle("r-0", 3, 8, 5, loop, lambda rid, reason: None, book.settle if settles else None)
+    seq = SimpleNamespace(bucket=8, num_chunks=1, num_generated=4, prompt_len=3)
+    return ActiveRequest(handle, seq, None, [1, 2, 3], arrival=0.0, deadline=float("inf"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("client_first", [False, True])
+@pytest.mark.parametrize("stop_string", [False, True])
+def test_a_length_end_waits_for_the_client(client_first: bool, stop_string: bool) -> None:
+    """A request whose client matches stop strings ends by length: it is counted once, whichever thread (the
+    engine's accounting of the last token, the client's settle) comes second, as `stop` where a stop string
+    matched on that token."""
+    metrics = _Finishes()
+    book = RequestBook(None, metrics, 0.0, 1)  # type: ignore[arg-type]  # no scheduler needed here
+    active = _held_request(book, settles=True)
+    with book.lock:
+        book.hold(active, "length")
+    if client_first:
+        active.handle.settle(stop_string)
+        assert metrics.finished == []
+        book.account_token(active, 1.0, "length")
+    else:
+        book.account_token(active, 1.0, "length")
+        assert metrics.finished == []
+        active.handle.settle(stop_string)
+    assert metrics.finished == ["stop" if stop_string else "length"]
+    active.handle.settle(True)  # once only
+    assert metrics.finished == ["stop" if stop_string else "length"] and not book._held
+
+
+@pytest.mark.parametrize("settles, reason", [(False, "length"), (True, "stop")])
+def test_other_ends_are_counted_at_once(settles: bool, reason: str) -> None:
+    """No stop strings, or an end by EOS: the engine counts the end with its last token, as before."""
+    metrics = _Finishes()
+    book = RequestBook(None, metrics, 0.0, 1)  # type: ignore[arg-type]
+    active = _held_request(book, settles=settles)
+    with book.lock:
+        book.hold(active, reason)
+    book.account_token(active, 1.0, reason)
+    assert metrics.finished == [reason] and not book._held

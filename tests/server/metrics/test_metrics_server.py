@@ -181,6 +181,40 @@ def test_every_dashboard_metric_is_exported(live: Served) -> None:
     assert not unknown, unknown
 
 
+def _stop_on_last_token(url: str) -> tuple[str, str]:
+    """(prompt, stop string) where greedy generation of 4 tokens first completes the stop string on its 4th: the
+    shortest suffix of the 4-token text that the 3-token text does not hold (tiny random weights: some prompts'
+    4th token adds no text, so a few are tried)."""
+    for n in range(3, 12):
+        prompt = words(n)
+        texts = [generate(url, CMPL, {"prompt": prompt, "max_tokens": m}).body["choices"][0]["text"] for m in (3, 4)]
+        if texts[1].startswith(texts[0]) and len(texts[1]) > len(texts[0]):
+            stop = next(texts[1][-k:] for k in range(1, len(texts[1]) + 1) if texts[1][-k:] not in texts[0])
+            return prompt, stop
+    raise AssertionError("no prompt of 3-11 words adds text with its 4th token")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_on_the_last_token_is_counted_as_stop(live: Served, stream: bool) -> None:
+    """A stop string completed by the last allowed token: the answer says `stop`, and so must the finish metric
+    and the request log (the engine ends the request as `length` before the HTTP layer matches the text)."""
+    prompt, stop = _stop_on_last_token(live.url)
+    before = live.scrape()
+    out = generate(live.url, CMPL, {"prompt": prompt, "max_tokens": 4, "stop": [stop], "stream": stream})
+    assert out.status == 200 and out.completion_tokens == 4
+    finals = [c["finish_reason"] for e in (out.body if stream else [out.body]) for c in e.get("choices", [])
+              if c.get("finish_reason")]
+    assert finals == ["stop"]
+    assert eventually(lambda: changed(before, live.scrape(), "bucketserve_requests_finished_total")
+                      == {(("finish_reason", "stop"),): 1})
+    assert eventually(lambda: live.scrape().get("bucketserve_requests_running") == 0)
+    after = live.scrape()
+    assert changed(before, after, "bucketserve_requests_finished_total") == {(("finish_reason", "stop"),): 1}
+    assert changed(before, after, "bucketserve_requests_aborted_total") == {}
+    assert after.get("bucketserve_generation_tokens_total") - before.get("bucketserve_generation_tokens_total") == 4
+    assert not live.engine._book._held  # nothing left waiting for a client
+
+
 def test_client_abort_is_counted(live: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps wait on a gate, so the client sees exactly one token (from the prefill) before it
     goes away: the abort, its one generated token and its latency series are counted exactly."""
