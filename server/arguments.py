@@ -1,6 +1,7 @@
 """The command line and environment of the server commands: the flags shared by serve, generate and precompile,
-and ServerSettings built from them. Every flag `--some-name` can also be given as the environment variable
-`BUCKETSERVE_SOME_NAME` (flags win); the Helm chart maps its values one-to-one onto these variables.
+and ServerSettings built from them. Every flag here `--some-name` can also be given as the environment variable
+`BUCKETSERVE_SOME_NAME` (flags win); the Helm chart maps its values one-to-one onto these variables. `generate`'s
+own request flags (server/cli.py) are command-line only.
 """
 
 from __future__ import annotations

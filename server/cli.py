@@ -17,7 +17,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="load, warm up every graph, and serve the HTTP API")
     add_server_arguments(serve)
 
-    gen = sub.add_parser("generate", help="generate one completion offline through the bucketed graphs")
+    gen = sub.add_parser("generate", help="generate one completion offline through the bucketed graphs",
+                         epilog="--prompt, --chat, --max-tokens and the sampling flags are command-line only; "
+                                "the other flags also read BUCKETSERVE_* variables.")
     add_server_arguments(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="render the prompt as a user chat message")

@@ -1,7 +1,8 @@
 """Server settings: one frozen dataclass, built once from command-line flags and environment variables.
 
-Every flag `--some-name` can also be given as the environment variable `BUCKETSERVE_SOME_NAME` (server/arguments.py:
-the flags, and these settings built from them; flags win). The Helm chart maps its values one-to-one onto them.
+Every server flag `--some-name` can also be given as the environment variable `BUCKETSERVE_SOME_NAME` (server/arguments.py:
+the flags, and these settings built from them; flags win). `generate`'s request flags are command-line only. The Helm
+chart maps its values one-to-one onto them.
 """
 
 from __future__ import annotations
