@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models import native
+from models import native, native_dispatch
 
 NATIVE_MIN_ROWS = 64  # rows (tokens) from which a step's norms run in the kernel: see the module docstring
 
@@ -48,7 +48,8 @@ def _rms_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-_LIB.impl("rms_norm", _rms_cpu, "CPU")
+# the Python kernel, until native_dispatch.install() puts the C++ one (same choices) in its place
+native_dispatch.PY_CPU.impl("rms_norm", _rms_cpu)
 torch.library.register_fake("bucketserve::rms_norm", _rms_fake, lib=_LIB)
 
 

@@ -1,5 +1,5 @@
-// The CPU kernels of bucketserve::linear, gated_silu and attention in C++, so a decode step's ~180 calls of them skip
-// Python: registered through the Python op API (models/prepack.py, gated_mlp.py, attention.py), each went op ->
+// The CPU kernels of bucketserve::linear, gated_silu, attention and rms_norm in C++, so a decode step's ~180 calls of
+// them (and a prompt step's 61 norms) skip Python: registered through the Python op API (models/prepack.py, gated_mlp.py, attention.py), each went op ->
 // dispatcher -> Python kernel -> ctypes, ~8.7 us a call over a ~1.5 us C call (one thread, AMD EPYC); from C++
 // the whole call is ~1.7 us. Same choices as the Python kernels, which stay where this library cannot be built
 // (models/native_dispatch.py builds, loads and installs it).
@@ -7,12 +7,16 @@
 // The kernels (models/csrc/linear.c) are bound by address from the library ctypes loaded (models/native_library.py):
 // one copy of them in the process, and no link-time dependency between the two builds.
 #include <ATen/Parallel.h>
+#include <ATen/ops/add.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mean.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/rsqrt.h>
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
 
@@ -31,6 +35,7 @@ using GatedFn = int (*)(const void *x, const void *wg, const float *sg, const vo
 using MaskedFn = int (*)(const void *q, const void *k, const void *v, void *out, const void *mask, int64_t mask_stride,
                          int64_t cols, int width, int64_t rows, int64_t heads, int64_t groups, int64_t dim,
                          int64_t s_slot, int64_t s_head, int64_t positions, float scale, int threads, int f32);
+using RmsFn = int (*)(const void *x, const void *weight, void *out, int64_t rows, int64_t d, float eps, int threads);
 constexpr int64_t MAX_GROUPS = 16, MAX_HEAD_DIM = 256;  // models/native.py's (decode_attention.c's MAX_G, 16 * MAX_C)
 
 // What a step of some rows reads: models/prepack.py's Kernel tuple (kind, weight copy, scales); kind -1 for none.
@@ -58,6 +63,7 @@ std::unordered_map<int64_t, Entry> entries;  // by the plain weight's address
 LinearFn linear_fn = nullptr;
 GatedFn gated_fn = nullptr;
 MaskedFn masked_fn = nullptr;
+RmsFn rms_fn = nullptr;
 bool parallel = false;  // the kernels were built with OpenMP
 const volatile int *switched_on = nullptr;  // models/native_library.py's switch (--no-native-kernels): 1 on
 std::unique_ptr<torch::Library> installed;  // the CPU kernels' registration, made by install()
@@ -267,12 +273,31 @@ at::Tensor attention_kernel(const at::Tensor &query, const at::Tensor &key, cons
     return stack[0].toTensor();
 }
 
-// The kernels' entries (models/csrc/linear.c, decode_attention.c; by address), how they were built, and where the switch lives.
-void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, bool openmp,
+// x [..., D] -> RMSNorm(x) * weight [..., D], contiguous: rms_norm._rms_cpu (bf16: rms_norm.c; else, or where the
+// kernel declines, the eager formula rms_norm.eager_rms_norm)
+at::Tensor rms_kernel(const at::Tensor &x, const at::Tensor &weight, double eps) {
+    const at::Tensor xc = x.contiguous();
+    const int64_t d = xc.size(-1);
+    const int t = threads();
+    if (*switched_on && rms_fn != nullptr && t > 0 && d > 0 && xc.scalar_type() == at::kBFloat16 &&
+        weight.scalar_type() == at::kBFloat16 && weight.dim() == 1 && weight.size(0) == d && weight.is_contiguous()) {
+        at::Tensor out = at::empty_like(xc);
+        if (rms_fn(xc.data_ptr(), weight.data_ptr(), out.data_ptr(), xc.numel() / d, d, static_cast<float>(eps), t) == 0)
+            return out;
+    }
+    const at::Tensor h = xc.to(at::kFloat);
+    const at::Tensor normed = at::mul(h, at::rsqrt(at::add(h.pow(2).mean({-1}, true), eps)));
+    return at::mul(weight, normed.to(xc.scalar_type())).to(xc.scalar_type()).contiguous();
+}
+
+// The kernels' entries (models/csrc/linear.c, decode_attention.c, rms_norm.c; by address), how they were built, and
+// where the switch lives.
+void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, int64_t rms_address, bool openmp,
           int64_t switch_address) {
     linear_fn = reinterpret_cast<LinearFn>(linear_address);
     gated_fn = reinterpret_cast<GatedFn>(gated_address);
     masked_fn = reinterpret_cast<MaskedFn>(attention_address);
+    rms_fn = reinterpret_cast<RmsFn>(rms_address);
     parallel = openmp;
     switched_on = reinterpret_cast<const volatile int *>(switch_address);
 }
@@ -296,7 +321,7 @@ int64_t remembered() {
     return static_cast<int64_t>(entries.size());
 }
 
-// Register the two CPU kernels (once; the caller has removed the Python ones first).
+// Register the CPU kernels (once; the caller has removed the Python ones first).
 void install() {
     TORCH_CHECK(linear_fn != nullptr && switched_on != nullptr, "bind the kernels before installing");
     if (installed) return;
@@ -305,12 +330,13 @@ void install() {
     installed->impl("linear", TORCH_FN(linear_kernel));
     installed->impl("gated_silu", TORCH_FN(gated_kernel));
     installed->impl("attention", TORCH_FN(attention_kernel));
+    installed->impl("rms_norm", TORCH_FN(rms_kernel));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(bucketserve_dispatch, m) {
-    m.def("bind(int linear, int gated, int attention, bool openmp, int switch) -> ()", &bind);
+    m.def("bind(int linear, int gated, int attention, int rms, bool openmp, int switch) -> ()", &bind);
     m.def("remember(int address, int n, int k, ScalarType dtype, Tensor onednn, int one_kind, int one_weight, "
           "int one_scales, int few_kind, int few_weight, int few_scales, int few_max) -> ()",
           &remember);

@@ -1,5 +1,6 @@
-"""The C++ kernels of bucketserve::linear and gated_silu (models/native_dispatch.py) give the Python kernels' bits:
-the same choice of native kernel, oneDNN or the plain matmul for every step size, dtype, bias and switch state."""
+"""The C++ kernels of bucketserve::linear, gated_silu, attention and rms_norm (models/native_dispatch.py) give the
+Python kernels' bits: the same choice of native kernel, oneDNN or the plain matmul for every step size, dtype, bias
+and switch state."""
 
 from __future__ import annotations
 
@@ -226,3 +227,26 @@ def test_attention_gives_the_python_kernels_bits(installed: None, dtype: torch.d
     # declines (switched off)
     one_call = [] if on else ["decode", "decode", "kv bucket", "kv bucket"]
     assert sorted(general) == sorted(one_call + ["window"] * 2 + ["grouped"] * 2 + ["queries"] * 2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("on", [True, False])
+def test_rms_norm_gives_the_python_kernels_bits(installed: None, on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 rows through rms_norm.c (a step's norms, any row count; a view that is not contiguous), and what it
+    declines to the eager formula: float32 rows, a weight of another size, the kernels switched off."""
+    from models.rms_norm import _rms_cpu
+
+    monkeypatch.setitem(native_library._switch, "on", on)
+    torch.manual_seed(9)
+    weight = torch.randn(576).bfloat16()
+    cases = {
+        "rows": (torch.randn(1, 128, 576).bfloat16() * 3, weight),
+        "one row": (torch.randn(1, 1, 576).bfloat16(), weight),
+        "view": (torch.randn(96, 1152).bfloat16()[:, :576], weight),
+        "float32": (torch.randn(64, 576), weight),
+        "other size": (torch.randn(64, 48).bfloat16(), torch.randn(48).bfloat16()),
+    }
+    for name, (x, w) in cases.items():
+        got = torch.ops.bucketserve.rms_norm(x, w, 1e-5)
+        want = _rms_cpu(x, w, 1e-5)
+        assert got.is_contiguous() and got.dtype == want.dtype and torch.equal(got, want), name
