@@ -72,6 +72,7 @@ _LIB = torch.library.Library("bucketserve", "FRAGMENT")
 _LIB.define("attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor")
 _LIB.define("attention_general(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor")
 _LIB.define("mixed_attention(Tensor query, Tensor key, Tensor value, Tensor meta, float scale) -> Tensor")
+_LIB.define("mixed_attention_general(Tensor query, Tensor key, Tensor value, Tensor meta, float scale) -> Tensor")
 _LIB.define("causal_attention(Tensor query, Tensor key, Tensor value, float scale) -> Tensor")
 
 
@@ -225,7 +226,8 @@ def _causal_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.T
 native_dispatch.PY_CPU.impl("attention", _attention_cpu)
 _LIB.impl("attention_general", _attention_general, "CPU")  # what the C++ kernel calls where its path declines
 _LIB.impl("causal_attention", _causal_attention_cpu, "CPU")
-_LIB.impl("mixed_attention", _mixed_attention_cpu, "CPU")
+native_dispatch.PY_CPU.impl("mixed_attention", _mixed_attention_cpu)  # until the C++ one replaces it
+_LIB.impl("mixed_attention_general", _mixed_attention_cpu, "CPU")  # where the C++ kernel's path declines
 torch.library.register_fake("bucketserve::attention", _attention_fake, lib=_LIB)
 torch.library.register_fake("bucketserve::mixed_attention", _attention_fake, lib=_LIB)
 torch.library.register_fake("bucketserve::causal_attention", lambda q, k, v, scale: torch.empty_like(q), lib=_LIB)

@@ -1,4 +1,5 @@
-"""The CPU kernels of `bucketserve::linear`, `gated_silu`, `attention` and `rms_norm` in C++ (models/csrc/dispatch.cpp).
+"""The CPU kernels of `bucketserve::linear`, `gated_silu`, `attention`, `rms_norm` and `mixed_attention` in C++
+(models/csrc/dispatch.cpp).
 
 Why: a decode step calls these ops ~180 times (SmolLM2-135M: 121 linears, 30 MLPs, 30 attentions). Registered as
 Python kernels, each call goes op -> dispatcher -> Python -> ctypes: a linear 8.7 us against 1.7 us for a C++
@@ -40,7 +41,7 @@ SOURCE = Path(__file__).with_name("csrc") / "dispatch.cpp"
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
 # The Python kernels the C++ ones replace (models/prepack.py, models/gated_mlp.py register on it).
 PY_CPU = torch.library.Library("bucketserve", "IMPL", "CPU")  # type: ignore[no-untyped-call]
-KERNELS = ("linear", "gated_silu", "attention", "rms_norm")
+KERNELS = ("linear", "gated_silu", "attention", "rms_norm", "mixed_attention")
 _LOCK = threading.Lock()
 _state: dict[str, bool] = {}  # "installed": the C++ kernels serve the ops (absent: install() not tried yet)
 
@@ -93,8 +94,11 @@ def install() -> bool:
         gated = ctypes.cast(lib.bucketserve_gated_bf16, ctypes.c_void_p).value
         attention = ctypes.cast(lib.bucketserve_decode_attention_masked, ctypes.c_void_p).value
         rms = ctypes.cast(lib.bucketserve_rms_norm_bf16, ctypes.c_void_p).value
+        piece = ctypes.cast(lib.bucketserve_piece_attention, ctypes.c_void_p).value
+        decode = ctypes.cast(lib.bucketserve_decode_attention, ctypes.c_void_p).value
         ops = torch.ops.bucketserve_dispatch
-        ops.bind(address, gated, attention, rms, native_library.openmp(), native_library.switch_address())
+        ops.bind(address, gated, attention, rms, piece, decode, native_library.openmp(), native_library.has("amx"),
+                 native_library.switch_address())
         # every module whose Python kernel is on PY_CPU, imported before it goes (they import this module)
         import models.attention  # noqa: F401
         import models.gated_mlp  # noqa: F401

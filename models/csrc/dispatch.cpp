@@ -18,8 +18,10 @@
 #include <ATen/ops/pow.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -36,6 +38,12 @@ using MaskedFn = int (*)(const void *q, const void *k, const void *v, void *out,
                          int64_t cols, int width, int64_t rows, int64_t heads, int64_t groups, int64_t dim,
                          int64_t s_slot, int64_t s_head, int64_t positions, float scale, int threads, int f32);
 using RmsFn = int (*)(const void *x, const void *weight, void *out, int64_t rows, int64_t d, float eps, int threads);
+using PieceFn = int (*)(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start, int64_t heads,
+                        int64_t kv_heads, int64_t dim, int64_t qt, int64_t qh, int64_t ot, int64_t oh, int64_t kvh,
+                        int64_t kvp, float scale, int threads, int tiles, int f32);
+using DecodeFn = int (*)(const void *q, const void *k, const void *v, void *out, const int64_t *slots,
+                         const int64_t *ext, int64_t rows, int64_t heads, int64_t groups, int64_t dim, int64_t s_slot,
+                         int64_t s_head, float scale, int threads, int f32);
 constexpr int64_t MAX_GROUPS = 16, MAX_HEAD_DIM = 256;  // models/native.py's (decode_attention.c's MAX_G, 16 * MAX_C)
 
 // What a step of some rows reads: models/prepack.py's Kernel tuple (kind, weight copy, scales); kind -1 for none.
@@ -64,6 +72,9 @@ LinearFn linear_fn = nullptr;
 GatedFn gated_fn = nullptr;
 MaskedFn masked_fn = nullptr;
 RmsFn rms_fn = nullptr;
+PieceFn piece_fn = nullptr;
+DecodeFn decode_fn = nullptr;
+bool tiles = false;  // the process may use AMX tiles (native_library.has("amx")): bf16 prompt pieces take them
 bool parallel = false;  // the kernels were built with OpenMP
 const volatile int *switched_on = nullptr;  // models/native_library.py's switch (--no-native-kernels): 1 on
 std::unique_ptr<torch::Library> installed;  // the CPU kernels' registration, made by install()
@@ -290,14 +301,122 @@ at::Tensor rms_kernel(const at::Tensor &x, const at::Tensor &weight, double eps)
     return at::mul(weight, normed.to(xc.scalar_type())).to(xc.scalar_type()).contiguous();
 }
 
-// The kernels' entries (models/csrc/linear.c, decode_attention.c, rms_norm.c; by address), how they were built, and
-// where the switch lives.
-void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, int64_t rms_address, bool openmp,
-          int64_t switch_address) {
+// One piece of a mixed step (attention.mixed_plan's Call): tokens [first, last) from `slot`; a prompt piece at
+// consecutive positions from ext[0], or (decoding) one token per slot of consecutive slots, ext[i] = position + 1.
+struct Call {
+    int64_t first, last, slot;
+    std::vector<int64_t> ext;
+    bool decoding;
+};
+
+// meta: the (slot, position) pairs of a mixed step's tokens -> its calls, as attention.mixed_plan (padding tokens,
+// slot `spare`, left out).
+std::vector<Call> mixed_plan(const int64_t *pairs, int64_t n, int64_t spare) {
+    std::vector<Call> calls;
+    for (int64_t t = 0; t < n;) {
+        const int64_t slot = pairs[2 * t], pos = pairs[2 * t + 1];
+        int64_t end = t + 1;
+        while (end < n && pairs[2 * end] == slot && pairs[2 * end + 1] == pairs[2 * end - 1] + 1) end++;
+        Call *last = calls.empty() ? nullptr : &calls.back();
+        if (slot == spare) {
+        } else if (end - t > 1) {
+            calls.push_back(Call{t, end, slot, {pos}, false});
+        } else if (last != nullptr && last->decoding && last->last == t &&
+                   last->slot + static_cast<int64_t>(last->ext.size()) == slot) {
+            last->last = end;
+            last->ext.push_back(pos + 1);
+        } else {
+            calls.push_back(Call{t, end, slot, {pos + 1}, true});
+        }
+        t = end;
+    }
+    return calls;
+}
+
+// The rows [first, first + n) of the query heads (q + h * qh + t * qt) <-> packed decode rows [n, H, D] contiguous
+// (the query heads of a KV group adjacent, as the decode kernel reads them); `es` bytes an element.
+void pack_rows(const char *q, char *packed, int64_t first, int64_t n, int64_t heads, int64_t dim, int64_t qh,
+               int64_t qt, int64_t es, bool back) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            char *a = packed + ((r * heads + h) * dim) * es;
+            char *b = const_cast<char *>(q) + (h * qh + (first + r) * qt) * es;
+            if (back)
+                std::memcpy(b, a, dim * es);
+            else
+                std::memcpy(a, b, dim * es);
+        }
+}
+
+// query [1, H, T, D] (D contiguous), key/value [S + 1, H_kv, C, D] (slot S: padding), meta [1, 1, T, 2] long (slot,
+// position) -> [1, H, T, D], zeros at padding tokens: attention._mixed_attention_cpu's calls, each a C call (prompt
+// pieces: piece_attention.c; decoding runs: decode_attention.c); where a kernel or a layout declines, the whole op
+// goes to the Python kernel (`mixed_attention_general`, the same result).
+at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, const at::Tensor &meta,
+                        double scale) {
+    const auto dtype = query.scalar_type();
+    const int t = threads();
+    const int64_t heads = query.dim() == 4 ? query.size(1) : 0, dim = query.dim() == 4 ? query.size(3) : 0;
+    const int64_t kv_heads = key.dim() == 4 ? key.size(1) : 0;
+    const bool takes = *switched_on && piece_fn != nullptr && decode_fn != nullptr && t > 0 && query.dim() == 4 &&
+                       query.size(0) == 1 && query.stride(3) == 1 && (dtype == at::kBFloat16 || dtype == at::kFloat) &&
+                       key.dim() == 4 && key.scalar_type() == dtype && value.scalar_type() == dtype &&
+                       value.sizes() == key.sizes() && value.strides() == key.strides() && key.size(3) == dim &&
+                       key.stride(3) == 1 && key.stride(2) == dim && kv_heads > 0 && heads % kv_heads == 0 &&
+                       heads / kv_heads <= MAX_GROUPS && dim % 32 == 0 && dim <= MAX_HEAD_DIM &&
+                       meta.scalar_type() == at::kLong && meta.is_contiguous() && meta.numel() == 2 * query.size(2);
+    if (takes) {
+        const bool f32 = dtype == at::kFloat;
+        const int64_t es = f32 ? 4 : 2, tokens = query.size(2), spare = key.size(0) - 1, capacity = key.size(2);
+        at::Tensor out = at::zeros_like(query);  // the strides of query, as the fake kernel (empty_like) declares
+        const char *q = static_cast<const char *>(query.data_ptr());
+        char *o = static_cast<char *>(out.data_ptr()), *k = static_cast<char *>(key.data_ptr()),
+             *v = static_cast<char *>(value.data_ptr());
+        const int64_t qh = query.stride(1), qt = query.stride(2), oh = out.stride(1), ot = out.stride(2);
+        bool ok = true;
+        for (const Call &c : mixed_plan(meta.data_ptr<int64_t>(), tokens, spare)) {
+            const int64_t n = c.last - c.first;
+            if (!c.decoding) {
+                ok = c.slot >= 0 && c.slot < spare && c.ext[0] >= 0 && c.ext[0] + n <= capacity &&
+                     piece_fn(q + c.first * qt * es, k + c.slot * key.stride(0) * es, v + c.slot * key.stride(0) * es,
+                              o + c.first * ot * es, n, c.ext[0], heads, kv_heads, dim, qt, qh, ot, oh,
+                              key.stride(1), key.stride(2), static_cast<float>(scale), t, tiles && !f32, f32) == 0;
+            } else {
+                std::vector<int64_t> slots(n);
+                for (int64_t i = 0; i < n; i++) slots[i] = c.slot + i;
+                ok = c.slot >= 0 && c.slot + n <= spare &&
+                     *std::min_element(c.ext.begin(), c.ext.end()) >= 1 &&
+                     *std::max_element(c.ext.begin(), c.ext.end()) <= capacity;
+                if (ok) {
+                    std::vector<char> packed(n * heads * dim * es), result(n * heads * dim * es);
+                    pack_rows(q, packed.data(), c.first, n, heads, dim, qh, qt, es, false);
+                    ok = decode_fn(packed.data(), k, v, result.data(), slots.data(), c.ext.data(), n, kv_heads,
+                                   heads / kv_heads, dim, key.stride(0), key.stride(1), static_cast<float>(scale), t,
+                                   f32) == 0;
+                    if (ok) pack_rows(o, result.data(), c.first, n, heads, dim, oh, ot, es, true);
+                }
+            }
+            if (!ok) break;
+        }
+        if (ok) return out;
+    }
+    static const auto general = c10::Dispatcher::singleton().findSchemaOrThrow("bucketserve::mixed_attention_general", "");
+    torch::jit::Stack stack{query, key, value, meta, scale};
+    general.callBoxed(&stack);
+    return stack[0].toTensor();
+}
+
+// The kernels' entries (models/csrc/linear.c, decode_attention.c, rms_norm.c, piece_attention.c; by address), how they
+// were built, whether the process may use AMX tiles, and where the switch lives.
+void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, int64_t rms_address,
+          int64_t piece_address, int64_t decode_address, bool openmp, bool amx, int64_t switch_address) {
     linear_fn = reinterpret_cast<LinearFn>(linear_address);
     gated_fn = reinterpret_cast<GatedFn>(gated_address);
     masked_fn = reinterpret_cast<MaskedFn>(attention_address);
     rms_fn = reinterpret_cast<RmsFn>(rms_address);
+    piece_fn = reinterpret_cast<PieceFn>(piece_address);
+    decode_fn = reinterpret_cast<DecodeFn>(decode_address);
+    tiles = amx;
     parallel = openmp;
     switched_on = reinterpret_cast<const volatile int *>(switch_address);
 }
@@ -331,12 +450,15 @@ void install() {
     installed->impl("gated_silu", TORCH_FN(gated_kernel));
     installed->impl("attention", TORCH_FN(attention_kernel));
     installed->impl("rms_norm", TORCH_FN(rms_kernel));
+    installed->impl("mixed_attention", TORCH_FN(mixed_kernel));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(bucketserve_dispatch, m) {
-    m.def("bind(int linear, int gated, int attention, int rms, bool openmp, int switch) -> ()", &bind);
+    m.def("bind(int linear, int gated, int attention, int rms, int piece, int decode, bool openmp, bool amx, "
+          "int switch) -> ()",
+          &bind);
     m.def("remember(int address, int n, int k, ScalarType dtype, Tensor onednn, int one_kind, int one_weight, "
           "int one_scales, int few_kind, int few_weight, int few_scales, int few_max) -> ()",
           &remember);

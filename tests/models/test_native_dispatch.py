@@ -250,3 +250,54 @@ def test_rms_norm_gives_the_python_kernels_bits(installed: None, on: bool, monke
         got = torch.ops.bucketserve.rms_norm(x, w, 1e-5)
         want = _rms_cpu(x, w, 1e-5)
         assert got.is_contiguous() and got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def _meta(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.long).view(1, 1, len(pairs), 2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("on", [True, False])
+def test_mixed_attention_gives_the_python_kernels_bits(installed: None, dtype: torch.dtype, on: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixed steps: decoding runs of consecutive slots, prompt pieces from position 0 and from further on, padding
+    tokens (the spare slot), a query that is a view (the graph's transpose), and what the C++ path hands to the
+    Python kernel whole (a head size the prompt kernel does not take, float16)."""
+    from models.attention import _mixed_attention_cpu
+
+    monkeypatch.setitem(native_library._switch, "on", on)
+    torch.manual_seed(10)
+    kv, groups, dim, context, slots = 2, 3, 64, 96, 5  # slot 5: the spare slot
+    k = torch.randn(slots + 1, kv, context, dim).to(dtype)
+    v = torch.randn(slots + 1, kv, context, dim).to(dtype)
+    steps = {
+        "rows then piece": [(0, 20), (1, 33), (2, 7), *((3, p) for p in range(40, 58)), (5, 0), (5, 0)],
+        "piece then rows": [*((4, p) for p in range(0, 17)), (0, 90), (1, 5), (3, 60)],
+        "two pieces": [*((0, p) for p in range(3)), (2, 10), *((1, p) for p in range(30, 62))],
+        "padding only": [(5, 0)] * 4,
+    }
+    for name, pairs in steps.items():
+        meta = _meta(pairs)
+        q = torch.randn(1, len(pairs), kv * groups, dim).to(dtype).transpose(1, 2)  # [1, H, T, D], a view
+        got = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
+        want = _mixed_attention_cpu(q, k, v, meta, dim ** -0.5)
+        assert torch.equal(got, want) and got.stride() == want.stride() == q.stride(), name  # the fake's strides
+    general: list[int] = []  # the C++ kernel's hand-overs to the Python one
+    import models.attention as attention_module
+
+    real_plan = attention_module.mixed_plan
+
+    def watched(meta: bytes, spare: int) -> tuple[attention_module.Call, ...]:
+        general.append(spare)
+        return real_plan(meta, spare)
+
+    monkeypatch.setattr(attention_module, "mixed_plan", watched)
+    meta = _meta(steps["rows then piece"])
+    q = torch.randn(1, kv * groups, meta.shape[2], dim).to(dtype)
+    torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
+    assert general == ([] if on else [slots])  # switched off: the Python kernel (SDPA) does it all
+    q48, k48, v48 = q[..., :48], k[..., :48].contiguous(), v[..., :48].contiguous()  # D % 32 != 0
+    general.clear()
+    got = torch.ops.bucketserve.mixed_attention(q48, k48, v48, meta, 48 ** -0.5)
+    assert general == [slots] and torch.equal(got, _mixed_attention_cpu(q48, k48, v48, meta, 48 ** -0.5))

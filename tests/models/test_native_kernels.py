@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import models.attention as attention_module
 from models import native, native_library, native_matmul
-from models.attention import mixed_plan, packed_sdpa
+from models.attention import _mixed_attention_cpu, mixed_plan, packed_sdpa
 from models.prepack import linear_cpu, prepack
 from tests.models.test_attention import FakeAttention
 
@@ -162,7 +162,7 @@ def test_masked_entry_reads_extents_from_the_mask(width: torch.dtype, dtype: tor
 
 def test_mixed_step_decoding_rows_use_the_kernel(monkeypatch: pytest.MonkeyPatch, kernel_calls: list[bool]) -> None:
     """A mixed step of two decoding rows (slots 1, 2) and a prompt piece (slot 0): the same output with the
-    kernel and with SDPA."""
+    kernel and with SDPA (the op's Python kernel; its C++ one gives the same bits: test_native_dispatch.py)."""
     torch.manual_seed(2)
     kv, groups, dim, context = 2, 3, 64, 48
     heads = kv * groups
@@ -171,10 +171,10 @@ def test_mixed_step_decoding_rows_use_the_kernel(monkeypatch: pytest.MonkeyPatch
     assert [c.decoding for c in mixed_plan(meta.numpy().tobytes(), 3)] == [True, False]
     q = torch.randn(1, heads, len(pairs), dim).to(torch.bfloat16)
     k, v = torch.randn(4, kv, context, dim).to(torch.bfloat16), torch.randn(4, kv, context, dim).to(torch.bfloat16)
-    ours = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
+    ours = _mixed_attention_cpu(q, k, v, meta, dim ** -0.5)
     assert kernel_calls == [True]
     monkeypatch.setitem(native_library._switch, "on", False)
-    sdpa = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
+    sdpa = _mixed_attention_cpu(q, k, v, meta, dim ** -0.5)
     torch.testing.assert_close(ours.float(), sdpa.float(), rtol=1e-2, atol=1e-2)
     assert not ours[:, :, 5:].any()  # padding (the prompt piece has a kernel of its own: test_piece_attention.py)
 

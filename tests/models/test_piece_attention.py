@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from models import native, native_library, native_matmul
-from models.attention import packed_sdpa, register
+from models.attention import _mixed_attention_cpu, packed_sdpa, register
 from tests.models.test_attention import FakeAttention
 from tests.models.test_native_kernels import threads  # noqa: F401 (the fixture: 1 and 2 threads)
 
@@ -109,17 +109,18 @@ def piece_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 @needs_kernel
 def test_mixed_step_prompt_pieces_use_the_kernel(monkeypatch: pytest.MonkeyPatch, piece_calls: list[bool]) -> None:
     """Two prompt pieces (slot 0 from position 0, slot 2 from 20) around a decoding row: the kernel's output is
-    SDPA's to bf16 rounding; padding tokens stay zero."""
+    SDPA's to bf16 rounding; padding tokens stay zero (the op's Python kernel; its C++ one gives the same bits:
+    test_native_dispatch.py)."""
     torch.manual_seed(4)
     kv, groups, dim, context = 2, 3, 64, 64
     pairs = [(0, p) for p in range(5)] + [(1, 30)] + [(2, p) for p in range(20, 29)] + [(3, 0)] * 2
     meta = torch.tensor(pairs, dtype=torch.long).view(1, 1, len(pairs), 2)
     q = torch.randn(1, kv * groups, len(pairs), dim).bfloat16()
     k, v = torch.randn(4, kv, context, dim).bfloat16(), torch.randn(4, kv, context, dim).bfloat16()
-    ours = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
+    ours = _mixed_attention_cpu(q, k, v, meta, dim ** -0.5)
     assert piece_calls == [True, True]
     monkeypatch.setitem(native_library._switch, "on", False)
-    sdpa = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
+    sdpa = _mixed_attention_cpu(q, k, v, meta, dim ** -0.5)
     assert piece_calls == [True, True, False, False]
     torch.testing.assert_close(ours.float(), sdpa.float(), rtol=2e-2, atol=2e-2)
     assert not ours[:, :, -2:].any()
