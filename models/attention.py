@@ -74,6 +74,7 @@ _LIB.define("attention_general(Tensor query, Tensor key, Tensor value, Tensor ma
 _LIB.define("mixed_attention(Tensor query, Tensor key, Tensor value, Tensor meta, float scale) -> Tensor")
 _LIB.define("mixed_attention_general(Tensor query, Tensor key, Tensor value, Tensor meta, float scale) -> Tensor")
 _LIB.define("causal_attention(Tensor query, Tensor key, Tensor value, float scale) -> Tensor")
+_LIB.define("causal_attention_general(Tensor query, Tensor key, Tensor value, float scale) -> Tensor")
 
 
 def _extents(mask: torch.Tensor) -> tuple[tuple[int, ...], bool]:
@@ -225,7 +226,8 @@ def _causal_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.T
 # the Python kernel, until native_dispatch.install() puts the C++ one (same choices) in its place
 native_dispatch.PY_CPU.impl("attention", _attention_cpu)
 _LIB.impl("attention_general", _attention_general, "CPU")  # what the C++ kernel calls where its path declines
-_LIB.impl("causal_attention", _causal_attention_cpu, "CPU")
+native_dispatch.PY_CPU.impl("causal_attention", _causal_attention_cpu)  # until the C++ one replaces it
+_LIB.impl("causal_attention_general", _causal_attention_cpu, "CPU")  # where the C++ kernel's path declines
 native_dispatch.PY_CPU.impl("mixed_attention", _mixed_attention_cpu)  # until the C++ one replaces it
 _LIB.impl("mixed_attention_general", _mixed_attention_cpu, "CPU")  # where the C++ kernel's path declines
 torch.library.register_fake("bucketserve::attention", _attention_fake, lib=_LIB)

@@ -1,5 +1,5 @@
-"""The CPU kernels of `bucketserve::linear`, `gated_silu`, `attention`, `rms_norm` and `mixed_attention` in C++
-(models/csrc/dispatch.cpp).
+"""The CPU kernels of `bucketserve::linear`, `gated_silu`, `attention`, `rms_norm`, `mixed_attention` and
+`causal_attention` in C++ (models/csrc/dispatch.cpp).
 
 Why: a decode step calls these ops ~180 times (SmolLM2-135M: 121 linears, 30 MLPs, 30 attentions). Registered as
 Python kernels, each call goes op -> dispatcher -> Python -> ctypes: a linear 8.7 us against 1.7 us for a C++
@@ -41,7 +41,7 @@ SOURCE = Path(__file__).with_name("csrc") / "dispatch.cpp"
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
 # The Python kernels the C++ ones replace (models/prepack.py, models/gated_mlp.py register on it).
 PY_CPU = torch.library.Library("bucketserve", "IMPL", "CPU")  # type: ignore[no-untyped-call]
-KERNELS = ("linear", "gated_silu", "attention", "rms_norm", "mixed_attention")
+KERNELS = ("linear", "gated_silu", "attention", "rms_norm", "mixed_attention", "causal_attention")
 _LOCK = threading.Lock()
 _state: dict[str, bool] = {}  # "installed": the C++ kernels serve the ops (absent: install() not tried yet)
 

@@ -406,6 +406,37 @@ at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at
     return stack[0].toTensor();
 }
 
+// query [b, H, q, D] (D contiguous), key/value [b, H_kv, q, D] (the rows' own positions) -> [b, H, q, D], query i
+// attending keys [0, i]: attention._causal_attention_cpu, each row one piece_attention.c call; where it declines,
+// the whole op goes to the Python kernel (`causal_attention_general`: SDPA). Output strides are the query's.
+at::Tensor causal_kernel(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, double scale) {
+    const auto dtype = query.scalar_type();
+    const int t = threads();
+    if (*switched_on && piece_fn != nullptr && t > 0 && query.dim() == 4 && key.dim() == 4 &&
+        (dtype == at::kBFloat16 || dtype == at::kFloat) && key.scalar_type() == dtype && value.scalar_type() == dtype &&
+        value.sizes() == key.sizes() && value.strides() == key.strides() && key.size(0) == query.size(0) &&
+        key.size(2) == query.size(2) && key.size(3) == query.size(3) && query.stride(3) == 1 && key.stride(3) == 1) {
+        const bool f32 = dtype == at::kFloat;
+        const int64_t es = f32 ? 4 : 2;
+        at::Tensor out = at::empty_like(query);
+        const char *q = static_cast<const char *>(query.data_ptr()), *k = static_cast<const char *>(key.data_ptr()),
+                   *v = static_cast<const char *>(value.data_ptr());
+        char *o = static_cast<char *>(out.data_ptr());
+        bool ok = true;
+        for (int64_t row = 0; ok && row < query.size(0); row++)
+            ok = piece_fn(q + row * query.stride(0) * es, k + row * key.stride(0) * es, v + row * key.stride(0) * es,
+                          o + row * out.stride(0) * es, query.size(2), 0, query.size(1), key.size(1), query.size(3),
+                          query.stride(2), query.stride(1), out.stride(2), out.stride(1), key.stride(1),
+                          key.stride(2), static_cast<float>(scale), t, tiles && !f32, f32) == 0;
+        if (ok) return out;
+    }
+    static const auto general =
+        c10::Dispatcher::singleton().findSchemaOrThrow("bucketserve::causal_attention_general", "");
+    torch::jit::Stack stack{query, key, value, scale};
+    general.callBoxed(&stack);
+    return stack[0].toTensor();
+}
+
 // The kernels' entries (models/csrc/linear.c, decode_attention.c, rms_norm.c, piece_attention.c; by address), how they
 // were built, whether the process may use AMX tiles, and where the switch lives.
 void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, int64_t rms_address,
@@ -451,6 +482,7 @@ void install() {
     installed->impl("attention", TORCH_FN(attention_kernel));
     installed->impl("rms_norm", TORCH_FN(rms_kernel));
     installed->impl("mixed_attention", TORCH_FN(mixed_kernel));
+    installed->impl("causal_attention", TORCH_FN(causal_kernel));
 }
 
 }  // namespace

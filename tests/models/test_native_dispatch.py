@@ -301,3 +301,22 @@ def test_mixed_attention_gives_the_python_kernels_bits(installed: None, dtype: t
     general.clear()
     got = torch.ops.bucketserve.mixed_attention(q48, k48, v48, meta, 48 ** -0.5)
     assert general == [slots] and torch.equal(got, _mixed_attention_cpu(q48, k48, v48, meta, 48 ** -0.5))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("on", [True, False])
+def test_causal_attention_gives_the_python_kernels_bits(installed: None, dtype: torch.dtype, on: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill's rows (views, as transformers passes them), and a head size the prompt kernel does not take (the
+    Python kernel's SDPA): the same bits and strides as the Python kernel."""
+    from models.attention import _causal_attention_cpu
+
+    monkeypatch.setitem(native_library._switch, "on", on)
+    torch.manual_seed(11)
+    for b, n, dim in ((2, 24, 64), (1, 40, 32), (2, 17, 48)):
+        q = torch.randn(b, n, 6, dim).to(dtype).transpose(1, 2)  # [b, H, n, D]
+        k, v = (torch.randn(b, n, 2, dim).to(dtype).transpose(1, 2) for _ in range(2))
+        got = torch.ops.bucketserve.causal_attention(q, k, v, dim ** -0.5)
+        want = _causal_attention_cpu(q, k, v, dim ** -0.5)
+        assert torch.equal(got, want) and got.stride() == want.stride(), (b, n, dim)

@@ -6,13 +6,15 @@ prompt pieces and causal prefills use it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from models import native, native_library, native_matmul
-from models.attention import _mixed_attention_cpu, packed_sdpa, register
+from models.attention import _causal_attention_cpu, _mixed_attention_cpu, packed_sdpa, register
 from tests.models.test_attention import FakeAttention
 from tests.models.test_native_kernels import threads  # noqa: F401 (the fixture: 1 and 2 threads)
 
@@ -128,29 +130,39 @@ def test_mixed_step_prompt_pieces_use_the_kernel(monkeypatch: pytest.MonkeyPatch
 
 @needs_kernel
 def test_causal_prefill_attention_takes_the_kernel(piece_calls: list[bool]) -> None:
+    """A prefill's attention goes to bucketserve::causal_attention, whose Python kernel calls the prompt kernel once
+    per row (its C++ kernel does the same calls and gives the same bits: test_native_dispatch.py)."""
     torch.manual_seed(5)
     b, kv, groups, n, dim = 2, 2, 3, 24, 32
     q = torch.randn(b, n, kv * groups, dim).transpose(1, 2)  # [b, H, n, D] as transformers passes it
     k, v = torch.randn(b, n, kv, dim).transpose(1, 2), torch.randn(b, n, kv, dim).transpose(1, 2)
     module = FakeAttention()
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
-    fp32, _ = packed_sdpa(module, q, k, v, None, scaling=dim ** -0.5)
-    assert piece_calls == [True, True]  # one call per row
+
+    def routed(**kwargs: Any) -> tuple[torch.Tensor, int]:
+        """packed_sdpa's output and how many causal_attention ops it called."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out, _ = packed_sdpa(module, **kwargs)
+        return out, sum(e.name == "bucketserve::causal_attention" for e in prof.events())
+
+    fp32, ops = routed(query=q, key=k, value=v, attention_mask=None, scaling=dim ** -0.5)
+    assert ops == 1
     torch.testing.assert_close(fp32, want, rtol=1e-5, atol=1e-5)
-    piece_calls.clear()
-    ours, _ = packed_sdpa(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), None, scaling=dim ** -0.5)
-    assert piece_calls == [True, True]
+    assert _causal_attention_cpu(q, k, v, dim ** -0.5).shape == q.shape and piece_calls == [True, True]  # per row
+    ours, ops = routed(query=q.bfloat16(), key=k.bfloat16(), value=v.bfloat16(), attention_mask=None,
+                       scaling=dim ** -0.5)
+    assert ops == 1
     assert ours.shape == (b, n, kv * groups, dim) and ours.dtype == torch.bfloat16
     torch.testing.assert_close(ours.float(), want, rtol=2e-2, atol=2e-2)
-    packed_sdpa(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), None, scaling=dim ** -0.5, is_causal=False)
-    assert len(piece_calls) == 2  # not causal: SDPA
+    _, ops = routed(query=q.bfloat16(), key=k.bfloat16(), value=v.bfloat16(), attention_mask=None,
+                    scaling=dim ** -0.5, is_causal=False)
+    assert ops == 0  # not causal: SDPA
 
 
 @needs_kernel
-def test_a_bf16_llama_gives_the_same_logits_with_the_kernel(monkeypatch: pytest.MonkeyPatch,
-                                                            piece_calls: list[bool]) -> None:
-    """End to end in a transformers model (head dim 32): our attention function with the kernel against the same
-    model on transformers' SDPA."""
+def test_a_bf16_llama_gives_the_same_logits_with_the_kernel() -> None:
+    """End to end in a transformers model (head dim 32): our attention function with the kernel (the causal
+    attention op, whichever of its kernels serves it) against the same model on transformers' SDPA."""
     torch.manual_seed(6)
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
@@ -160,6 +172,7 @@ def test_a_bf16_llama_gives_the_same_logits_with_the_kernel(monkeypatch: pytest.
         model.set_attn_implementation("sdpa")
         stock = model(ids).logits.float()
         model.set_attn_implementation(register())
-        ours = model(ids).logits.float()
-    assert piece_calls == [True, True]  # both layers
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ours = model(ids).logits.float()
+    assert sum(e.name == "bucketserve::causal_attention" for e in prof.events()) == 2  # both layers
     torch.testing.assert_close(ours, stock, rtol=0.05, atol=0.05 * float(stock.abs().max()))
