@@ -87,7 +87,7 @@ def install() -> bool:
         try:
             torch.ops.load_library(str(_library()))  # type: ignore[no-untyped-call]
         except Exception as exc:  # noqa: BLE001 - any failure: the Python kernels stay
-            log.warning("C++ op kernels unavailable (%s); linears keep their Python kernels", exc)
+            log.warning("C++ op kernels unavailable (%s); the ops keep their Python kernels", exc)
             return False
         lib = native_library.lib()
         address = ctypes.cast(lib.bucketserve_linear, ctypes.c_void_p).value
