@@ -48,31 +48,36 @@ static inline __m512 widen_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* 2^t, t clamped to 126: 2^round(t) by scalef (exact; 0 below the fp32 range) times 2^f, |f| <= 1/2, by its degree-6 Taylor
- * polynomial (relative error ~1e-7, as vexp's; the result is rounded to bf16 after). */
-static inline __m512 exp2_512(__m512 t) {
-    t = _mm512_min_ps(t, _mm512_set1_ps(126.0f)); /* 1 + 2^126: rcp14 still returns a normal number */
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530393e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+/* exp(x) in 16 lanes, as vexp (vec16.h) computes it: x = n ln2 + r (Cody-Waite: ln2 in two parts, |r| <= ln2 / 2),
+ * Cephes' polynomial for exp(r) (relative error ~1e-7), times 2^n by scalef (exact: inf above the fp32 range, 0
+ * below). x is clamped to [-104, 89] first (past both ends the result is already 0 or inf); a NaN x clamps too,
+ * and the caller's NaN numerator carries it. */
+static inline __m512 exp_512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
 }
 
-/* y[i] = silu(gate[i]) * y[i], n % 16 == 0: silu(g) = g / (1 + exp(-g)), the reciprocal by rcp14 and one Newton
- * step (no select, no division). Why: the portable loop below (an exp for x <= 0, selects, a division, a round
- * trip through memory for the rounding) took 5.5 ms of a 128-token mixed step's MLPs (128 x 1536 x 30 layers),
- * this 2.4; the outputs were bit-identical on 196,608 random gates (docs/performance.md). */
+/* y[i] = silu(gate[i]) * y[i], n % 16 == 0: silu(g) = g / (1 + exp(-g)), as PyTorch's silu (one fp32 division),
+ * each result rounded to bf16. Why: the portable loop below (an exp for x <= 0, selects, a division, a round trip
+ * through memory for the rounding) took 5.5 ms of a 128-token mixed step's MLPs (128 x 1536 x 30 layers), this
+ * 2.8; on 1.18 M elements of real matmul outputs both equal eager's bits. One difference: the rounding instruction
+ * flushes fp32 denormals (|x| < 1.2e-38) to zero, where eager keeps them (as rms_norm.c). */
 static void silu_times(uint16_t *y, const uint16_t *gate, int64_t n) {
-    const __m512 minus_log2e = _mm512_set1_ps(-1.44269504088896341f), one = _mm512_set1_ps(1.0f);
+    const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t i = 0; i < n; i += 16) {
         const __m512 g = widen_bf16(gate + i), u = widen_bf16(y + i);
-        const __m512 d = _mm512_add_ps(one, exp2_512(_mm512_mul_ps(g, minus_log2e)));
+        const __m512 d = _mm512_add_ps(one, exp_512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
         const __m256i act = (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(g, d)); /* silu, rounded to bf16 */
         const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(act), 16));
         _mm256_storeu_si256((__m256i *)(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, u)));

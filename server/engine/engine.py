@@ -220,6 +220,7 @@ class Engine:
                     stalls = self._scheduler.num_decoding if isinstance(step, (PrefillStep, ChunkStep)) else 0
                 for rid in expired:
                     self.abort(rid, "timeout", "request timed out")
+                self._book.sweep_held(time.monotonic())
                 if step is not None:
                     t0 = time.monotonic()
                     self._run(step, prompts)

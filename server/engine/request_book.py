@@ -31,6 +31,9 @@ def retry_after_seconds(finished: Iterable[float], now: float, waiting: int) -> 
     return float(min(60, max(1, round((waiting + 1) / rate))))
 
 
+HELD_TIMEOUT_S = 60.0  # a held end the client has not settled by then is counted as the engine ended it
+
+
 @dataclass
 class _HeldEnd:
     """A `length` end whose accounting waits for two threads: the engine's (the last token's own accounting, then
@@ -122,6 +125,19 @@ class RequestBook:
                 return  # the engine thread counts it after its own accounting of the last token
             del self._held[request_id]
         self._count_held(held)
+
+    def sweep_held(self, now: float) -> None:
+        """Engine thread, between steps: count, as the engine ended them, the held ends whose client has not
+        settled within HELD_TIMEOUT_S (a code path that drops a handle unread must not lose its count)."""
+        if not self._held:
+            return
+        with self.lock:
+            stale = [rid for rid, held in self._held.items()
+                     if held.active is not None and now - held.at > HELD_TIMEOUT_S]
+            ends = [self._held.pop(rid) for rid in stale]
+        for held in ends:
+            held.stop_string = False
+            self._count_held(held)
 
     def _count_held(self, held: _HeldEnd) -> None:
         assert held.active is not None

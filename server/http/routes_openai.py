@@ -37,12 +37,17 @@ async def completions(request: Request) -> Response:
     prompts = [prompt_ids(state, p) for p in raw_prompts]
     include_usage = req.include_usage()
     gen = _admit(state, req, "cmpl", prompts, req.max_tokens or DEFAULT_COMPLETION_TOKENS, req.logprobs)
-    echoes = [""] * len(gen.runs)
-    if req.echo:
-        texts = [p if isinstance(p, str) else str(state.tokenizer.decode(ids, skip_special_tokens=True))
-                 for p, ids in zip(raw_prompts, prompts)]
-        echoes = [t for t in texts for _ in range(req.num_choices())]
-    fmt = CompletionFormat(state, gen, sum(len(p) for p in prompts), include_usage, req.logprobs is not None, echoes)
+    try:
+        echoes = [""] * len(gen.runs)
+        if req.echo:
+            texts = [p if isinstance(p, str) else str(state.tokenizer.decode(ids, skip_special_tokens=True))
+                     for p, ids in zip(raw_prompts, prompts)]
+            echoes = [t for t in texts for _ in range(req.num_choices())]
+        fmt = CompletionFormat(state, gen, sum(len(p) for p in prompts), include_usage, req.logprobs is not None,
+                               echoes)
+    except BaseException:
+        gen.abort_all()  # admitted but never to be read: free its slots now
+        raise
     return stream_response(gen, fmt) if req.stream else await whole_response(request, gen, fmt)
 
 

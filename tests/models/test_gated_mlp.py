@@ -34,6 +34,31 @@ def test_the_op_computes_silu_gate_times_up(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
+def test_the_native_silu_takes_gates_of_every_magnitude() -> None:
+    """Gates from -3e38 to 3e38 (through the one-call kernel: weights that copy x, so gate = up = x exactly): eager's
+    bits, but for results below fp32's normal range, which the kernel's rounding flushes to zero (|silu| of a gate
+    under ~-87), and no NaN."""
+    if not native.available() or not (native_matmul.amx_available() or native_matmul.tiled_available()):
+        pytest.skip("needs the native kernels and a tile kernel (the one-call path at 16 rows)")
+    layers = nn.ModuleDict({"gate": nn.Linear(576, 1536, bias=False), "up": nn.Linear(576, 1536, bias=False)})
+    eye = torch.zeros(1536, 576)
+    eye[torch.arange(1536), torch.arange(1536) % 576] = 1.0  # output j = x[j % 576]
+    for layer in layers.values():
+        layer.weight.data.copy_(eye)
+    layers = layers.bfloat16().requires_grad_(False)
+    prepack(layers)
+    values = torch.cat([torch.linspace(-120, 120, 16 * 576 - 8), torch.tensor([1e30, -1e30, 3e38, -3e38, 1e-30,
+                                                                               -1e-30, 88.5, -88.5])])
+    x = values.view(16, 1, 576).bfloat16()
+    got = _gated_cpu(x, layers["gate"].weight, None, layers["up"].weight, None)
+    want = nn.functional.silu(layers["gate"](x)) * layers["up"](x)
+    assert not got.isnan().any()
+    assert torch.equal(layers["gate"](x), x.repeat(1, 1, 3)[..., :1536])  # the gates are x itself
+    tiny = nn.functional.silu(layers["gate"](x)).float().abs() < torch.finfo(torch.float32).tiny
+    assert tiny.any() and (~tiny).any()  # gates under ~-87 give silu results below the normal range
+    assert torch.equal(got[~tiny], want[~tiny]) and not got[tiny].float().abs().gt(0).any()
+
+
 @pytest.mark.parametrize("quantize", ["none", "int8"])
 @pytest.mark.parametrize("rows", [1, 3, 16, 128])
 def test_decode_sized_steps_take_one_native_call_rounded_as_eager(monkeypatch: pytest.MonkeyPatch, rows: int,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -244,12 +245,21 @@ def test_rms_norm_gives_the_python_kernels_bits(installed: None, on: bool, monke
         "one row": (torch.randn(1, 1, 576).bfloat16(), weight),
         "view": (torch.randn(96, 1152).bfloat16()[:, :576], weight),
         "float32": (torch.randn(64, 576), weight),
-        "other size": (torch.randn(64, 48).bfloat16(), torch.randn(48).bfloat16()),
+        "other size": (torch.randn(64, 40).bfloat16(), torch.randn(40).bfloat16()),  # rms_norm.c: D % 16 == 0
     }
     for name, (x, w) in cases.items():
-        got = torch.ops.bucketserve.rms_norm(x, w, 1e-5)
+        got, ops = _profiled(lambda x=x, w=w: torch.ops.bucketserve.rms_norm(x, w, 1e-5))
         want = _rms_cpu(x, w, 1e-5)
         assert got.is_contiguous() and got.dtype == want.dtype and torch.equal(got, want), name
+        kernel = on and name in ("rows", "one row", "view")  # else the eager formula (its mean is an aten op)
+        assert ("aten::mean" not in ops) == kernel, name
+
+
+def _profiled(call: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, set[str]]:
+    """call()'s result and the names of the ops it ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = call()
+    return out, {e.name for e in prof.events()}
 
 
 def _meta(pairs: list[tuple[int, int]]) -> torch.Tensor:
@@ -317,6 +327,8 @@ def test_causal_attention_gives_the_python_kernels_bits(installed: None, dtype: 
     for b, n, dim in ((2, 24, 64), (1, 40, 32), (2, 17, 48)):
         q = torch.randn(b, n, 6, dim).to(dtype).transpose(1, 2)  # [b, H, n, D]
         k, v = (torch.randn(b, n, 2, dim).to(dtype).transpose(1, 2) for _ in range(2))
-        got = torch.ops.bucketserve.causal_attention(q, k, v, dim ** -0.5)
+        got, ops = _profiled(lambda q=q, k=k, v=v, dim=dim: torch.ops.bucketserve.causal_attention(q, k, v, dim ** -0.5))
         want = _causal_attention_cpu(q, k, v, dim ** -0.5)
         assert torch.equal(got, want) and got.stride() == want.stride(), (b, n, dim)
+        kernel = on and dim % 32 == 0  # else the Python kernel (SDPA), handed the whole call
+        assert ("bucketserve::causal_attention_general" not in ops) == kernel, (b, n, dim)

@@ -9,7 +9,7 @@ import pytest
 
 from server.engine.active_request import ActiveRequest
 from server.engine.interface import RequestHandle
-from server.engine.request_book import RequestBook, retry_after_seconds
+from server.engine.request_book import HELD_TIMEOUT_S, RequestBook, retry_after_seconds
 
 
 def test_a_burst_after_idle_time_gives_its_own_rate() -> None:
@@ -95,3 +95,20 @@ def test_other_ends_are_counted_at_once(settles: bool, reason: str) -> None:
         book.hold(active, reason)
     book.account_token(active, 1.0, reason)
     assert metrics.finished == [reason] and not book._held
+
+
+def test_a_held_end_nobody_settles_is_counted_after_the_timeout() -> None:
+    """A handle dropped unread (a code path that never settles) must not lose its end: the engine thread counts it,
+    as it ended, once HELD_TIMEOUT_S have passed."""
+    metrics = _Finishes()
+    book = RequestBook(None, metrics, 0.0, 1)  # type: ignore[arg-type]
+    active = _held_request(book, settles=True)
+    with book.lock:
+        book.hold(active, "length")
+    book.account_token(active, 100.0, "length")
+    book.sweep_held(100.0 + HELD_TIMEOUT_S / 2)
+    assert metrics.finished == [] and book._held
+    book.sweep_held(100.0 + HELD_TIMEOUT_S + 1)
+    assert metrics.finished == ["length"] and not book._held
+    active.handle.settle(True)  # too late: nothing more is counted
+    assert metrics.finished == ["length"]
