@@ -1,7 +1,8 @@
-// The CPU kernels of bucketserve::linear, gated_silu, attention and rms_norm in C++, so a decode step's ~180 calls of
-// them (and a prompt step's 61 norms) skip Python: registered through the Python op API (models/prepack.py, gated_mlp.py, attention.py), each went op ->
-// dispatcher -> Python kernel -> ctypes, ~8.7 us a call over a ~1.5 us C call (one thread, AMD EPYC); from C++
-// the whole call is ~1.7 us. Same choices as the Python kernels, which stay where this library cannot be built
+// The CPU kernels of bucketserve::linear, gated_silu, attention, rms_norm, mixed_attention and causal_attention in
+// C++, so a decode step's ~180 calls of them (and a prompt step's norms and attentions) skip Python: registered
+// through the Python op API (models/prepack.py, gated_mlp.py, attention.py, rms_norm.py), each went op -> dispatcher
+// -> Python kernel -> ctypes, ~8.7 us a call over a ~1.5 us C call (one thread, AMD EPYC); from C++ the whole call
+// is ~1.7 us. Same choices as the Python kernels, which stay where this library cannot be built
 // (models/native_dispatch.py builds, loads and installs it).
 //
 // The kernels (models/csrc/linear.c) are bound by address from the library ctypes loaded (models/native_library.py):
@@ -260,6 +261,13 @@ bool decode_takes(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v)
            dim >= 16 && dim <= MAX_HEAD_DIM;
 }
 
+// What an op's Python kernel returns for these arguments (its `*_general` op: where a C++ path declines, the whole
+// call goes there, so the result is the Python kernel's).
+at::Tensor call_general(const c10::OperatorHandle &op, torch::jit::Stack stack) {
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+}
+
 // query [b, H, q, D], key/value [b, H_kv, K, D], mask [b, 1, q, K] additive -> [b, H, q, D]: attention._attention_cpu.
 // Decode (one query, heads packed): native.decode_attention_masked's one C call; else `attention_general` (Python).
 at::Tensor attention_kernel(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
@@ -279,9 +287,7 @@ at::Tensor attention_kernel(const at::Tensor &query, const at::Tensor &key, cons
         }
     }
     static const auto general = c10::Dispatcher::singleton().findSchemaOrThrow("bucketserve::attention_general", "");
-    torch::jit::Stack stack{query, key, value, mask, scale};
-    general.callBoxed(&stack);
-    return stack[0].toTensor();
+    return call_general(general, {query, key, value, mask, scale});
 }
 
 // x [..., D] -> RMSNorm(x) * weight [..., D], contiguous: rms_norm._rms_cpu (bf16: rms_norm.c; else, or where the
@@ -400,10 +406,9 @@ at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at
         }
         if (ok) return out;
     }
-    static const auto general = c10::Dispatcher::singleton().findSchemaOrThrow("bucketserve::mixed_attention_general", "");
-    torch::jit::Stack stack{query, key, value, meta, scale};
-    general.callBoxed(&stack);
-    return stack[0].toTensor();
+    static const auto general =
+        c10::Dispatcher::singleton().findSchemaOrThrow("bucketserve::mixed_attention_general", "");
+    return call_general(general, {query, key, value, meta, scale});
 }
 
 // query [b, H, q, D] (D contiguous), key/value [b, H_kv, q, D] (the rows' own positions) -> [b, H, q, D], query i
@@ -432,9 +437,7 @@ at::Tensor causal_kernel(const at::Tensor &query, const at::Tensor &key, const a
     }
     static const auto general =
         c10::Dispatcher::singleton().findSchemaOrThrow("bucketserve::causal_attention_general", "");
-    torch::jit::Stack stack{query, key, value, scale};
-    general.callBoxed(&stack);
-    return stack[0].toTensor();
+    return call_general(general, {query, key, value, scale});
 }
 
 // The kernels' entries (models/csrc/linear.c, decode_attention.c, rms_norm.c, piece_attention.c; by address), how they
