@@ -73,7 +73,8 @@ def bucketserve_command(model: str, threads: int, extra: list[str], port: int | 
     exe = _venv_tool("bucketserve")
     # Not installed as a script (a source checkout): call the CLI entry point directly.
     base = [exe] if exe else [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())"]
-    argv = [*base, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port)]
+    # Prefix caching off, as for vLLM (vllm_command): the levels replay the same prompts.
+    argv = [*base, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching"]
     if threads > 0:
         argv += ["--num-threads", str(threads)]
     return ServerCommand(name, tuple(argv + extra), port, thread_env(threads))
@@ -107,7 +108,7 @@ def vllm_command(python: str, hf_model: str, threads: int, max_num_seqs: int, ma
     its KV cache is VLLM_CPU_KVCACHE_SPACE GiB."""
     port = port or free_port()
     # Prefix caching off: every level replays the same prompts, so a cache would turn later levels' (and
-    # repeated probes') prefills into hits; bucketserve has none, and the comparison is of the engines.
+    # repeated probes') prefills into hits; bucketserve_command turns its own off too.
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_model, "--host", "127.0.0.1",
             "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
             "--no-enable-prefix-caching"]

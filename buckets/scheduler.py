@@ -15,6 +15,10 @@ one chunk per step, its first chunk by a PrefillStep and the rest by ChunkSteps;
 decode step runs whenever any row is decoding, so a decode row never waits for more than one chunk. The
 chunking request is older than anything waiting, so it goes first (FCFS); it can be aborted between chunks.
 Finished or aborted sequences free their slot at once.
+
+Prefix caching (`prefix_caching`, mixed steps only): a freed slot keeps its K/V, and a new prompt that begins
+with the tokens a free slot holds takes that slot and starts its prefill where the match ends, by mixed steps
+(a prefill step starts at position 0). buckets/prefix_cache.py has the policy.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
+from buckets.prefix_cache import SlotPrefixes
 from buckets.steps import ChunkStep, DecodeStep, MixedStep, Piece, PrefillStep, Sequence, Step
 from buckets.table import BucketTable
 
@@ -56,10 +61,12 @@ class Scheduler:
     # decoding row counts); 0.05: nearly always (vLLM's one token budget for every step). Named after TGI's
     # setting, which trades the same thing differently (there it gates when a new prefill batch may join; 0: always).
     waiting_served_ratio: float = WAITING_SERVED_RATIO
+    prefix_caching: bool = False
     waiting: deque[Sequence] = field(default_factory=deque)
     running: dict[int, Sequence] = field(default_factory=dict)  # slot -> sequence
     _waiting_tokens: int = 0
     _last_was_prefill: bool = False
+    _prefixes: SlotPrefixes | None = None
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
@@ -71,6 +78,12 @@ class Scheduler:
                 f"waiting_served_ratio must be finite and >= 0 (0: off), got {self.waiting_served_ratio}")
         if self.policy == "static" and self.table.mixed_tokens:
             raise ValueError("static batching runs no mixed steps: its table needs chunk graphs, not mixed tokens")
+        if self.prefix_caching:
+            if not self.table.mixed_tokens or self.policy != "continuous":
+                raise ValueError("prefix caching needs mixed steps (continuous batching and a table with mixed "
+                                 "tokens): a cached prompt's prefill starts where its match ends")
+            # Position context - 1 is where a decode step's free rows write their dummy K/V.
+            self._prefixes = SlotPrefixes(self.table.context_length - 1)
 
     # -- admission -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -82,6 +95,8 @@ class Scheduler:
         comes first: a request that can never fit is refused as such (400), whatever the queue holds (429)."""
         for seq in seqs:
             seq.bucket = self.table.check_request(seq.prompt_len, seq.max_tokens)
+            if seq.prompt_ids and len(seq.prompt_ids) != seq.prompt_len:
+                raise ValueError(f"{len(seq.prompt_ids)} prompt ids for a prompt of {seq.prompt_len} tokens")
         tokens = self._waiting_tokens
         for i, seq in enumerate(seqs):
             if len(self.waiting) + i >= self.max_waiting_requests:
@@ -100,9 +115,9 @@ class Scheduler:
                 self._waiting_tokens -= seq.prompt_len
                 seq.finish_reason = "abort"
                 return seq
-        for slot, seq in self.running.items():
+        for seq in self.running.values():
             if seq.request_id == request_id:
-                del self.running[slot]
+                self._release(seq)
                 seq.finish_reason = "abort"
                 return seq
         return None
@@ -114,7 +129,7 @@ class Scheduler:
         decoding = {slot: s for slot, s in self.running.items() if s.is_decoding}
         want_prefill = chunking is not None or (bool(self.waiting) and bool(free))
         if want_prefill and self.table.mixed_tokens and self.policy == "continuous" \
-                and (chunking is not None or bool(decoding) or self._solo_prompt(free)):
+                and (chunking is not None or bool(decoding) or self._solo_prompt(free) or self._head_hits(free)):
             return self._mixed(decoding, chunking, free)
         if self.policy == "static":
             # A batch forms (consecutive prefills) only while nothing decodes, then runs to completion.
@@ -153,6 +168,8 @@ class Scheduler:
                 continue  # a chunk that does not end the prompt yields no token
             token = sampled[seq.request_id]
             seq.last_token = token
+            if seq.prompt_ids:  # kept only where a slot's tokens may be reused
+                seq.output_ids.append(token)
             seq.num_generated += 1
             seq.position = seq.prompt_len + seq.num_generated - 1  # where this token's K/V will go
             if token in seq.stop_ids:
@@ -160,7 +177,7 @@ class Scheduler:
             elif seq.num_generated >= seq.max_tokens or seq.position >= self.table.context_length:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
-                self.running.pop(seq.slot, None)
+                self._release(seq)
                 finished.append(seq)
         return finished
 
@@ -194,8 +211,7 @@ class Scheduler:
         for seq, slot in zip(group, free):
             self.waiting.remove(seq)
             self._waiting_tokens -= seq.prompt_len
-            seq.slot = slot
-            self.running[slot] = seq
+            self._take(seq, slot)
         length = min(head.bucket, self.table.max_length)
         return PrefillStep(length, self.table.prefill_batch_for(len(group)), tuple(group))
 
@@ -249,13 +265,37 @@ class Scheduler:
         while budget > 0 and self.waiting and free:
             seq = self.waiting.popleft()
             self._waiting_tokens -= seq.prompt_len
-            seq.slot = free.pop(0)
-            self.running[seq.slot] = seq
-            n = min(budget, seq.prompt_len)
-            pieces.append(Piece(seq, 0, n))
+            slot, reuse = self._prefixes.best(seq.prompt_ids, free) if self._prefixes else (-1, 0)
+            slot = slot if slot >= 0 else free[0]
+            free.remove(slot)
+            self._take(seq, slot, reuse)
+            n = min(budget, seq.prompt_len - reuse)
+            pieces.append(Piece(seq, reuse, n))
             budget -= n
         self._last_was_prefill = False  # decoding rows advanced in this step too
         return MixedStep(self.table.mixed_for(total - budget), decode, tuple(pieces))
+
+    def _take(self, seq: Sequence, slot: int, reuse: int = 0) -> None:
+        """`seq` starts in `slot`, whose first `reuse` positions already hold its prompt's K/V."""
+        seq.slot = slot
+        seq.cached = seq.prefilled = reuse
+        self.running[slot] = seq
+        if self._prefixes is not None:
+            self._prefixes.take(slot)
+
+    def _release(self, seq: Sequence) -> None:
+        """`seq` leaves its slot (finished or aborted); the slot keeps what its K/V holds."""
+        if self.running.get(seq.slot) is not seq:
+            return
+        del self.running[seq.slot]
+        if self._prefixes is not None:
+            self._prefixes.release(seq.slot, seq.held_tokens())
+
+    def _head_hits(self, free: list[int]) -> bool:
+        """The next waiting prompt matches a free slot: it starts by mixed steps, from where the match ends."""
+        if self._prefixes is None or not (free and self.waiting):
+            return False
+        return self._prefixes.best(self.waiting[0].prompt_ids, free)[1] > 0
 
     def _chunk(self, seq: Sequence) -> ChunkStep:
         c = self.table.chunk_length

@@ -5,7 +5,7 @@ their padding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(eq=False)
@@ -24,10 +24,25 @@ class Sequence:
     last_token: int = -1
     finish_reason: str | None = None
     num_chunks: int = 0  # prefill graph calls this prompt took (1 unless chunked)
+    # Prefix caching (buckets/prefix_cache.py): the prompt's ids (empty: nothing to match or keep), the ids
+    # sampled so far, and how many prompt tokens the slot already held when the request took it.
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: list[int] = field(default_factory=list)
+    cached: int = 0
 
     @property
     def is_decoding(self) -> bool:
         return self.prefilled >= self.prompt_len
+
+    def held_tokens(self) -> tuple[int, ...]:
+        """The tokens whose K/V this sequence's slot holds at positions 0..n-1 (what a later prompt may reuse):
+        the prompt so far while it is prefilled, then the prompt and every sampled token but the last (whose
+        K/V the next step would write)."""
+        if not self.prompt_ids:
+            return ()
+        if not self.is_decoding:
+            return self.prompt_ids[: self.prefilled]
+        return (self.prompt_ids + tuple(self.output_ids))[: self.position]
 
 
 @dataclass(frozen=True)

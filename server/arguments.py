@@ -70,6 +70,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mixed steps: the most tokens a step carries while rows decode (prompt tokens ride "
                              "with the decoding rows up to it; a decoding row waits about one such step). -1: auto "
                              "(128 where the table allows); 0: the chunk length")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=d.enable_prefix_caching,
+                        help="a finished request's slot keeps its K/V, and a prompt that begins with the same tokens "
+                             "(a shared system prompt, a conversation's earlier turns) takes that slot and skips "
+                             "their prefill (default on; needs mixed steps)")
     parser.add_argument("--recompile-policy", default=d.recompile_policy, choices=["error", "allow"])
     parser.add_argument("--batching", default=d.batching, choices=["continuous", "static"],
                         help="static: a batch runs to completion before new requests join (for comparison)")
@@ -95,7 +100,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _BOOL_FIELDS = {"require_cached_graphs", "protect_metrics", "log_prompts", "inductor_freezing", "weight_prepack",
-                "mixed_steps", "native_kernels", "cuda_graphs"}
+                "mixed_steps", "native_kernels", "cuda_graphs", "enable_prefix_caching"}
 _SIZE_FIELDS = {"buckets", "batch_sizes", "prefill_batch_sizes", "kv_buckets"}
 
 

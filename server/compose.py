@@ -45,11 +45,16 @@ def build_metrics(settings: ServerSettings, model: EngineModel, registry: Collec
 
 
 def engine_for(settings: ServerSettings, model: EngineModel, hooks: MetricsHooks | None = None) -> Engine:
-    """The engine over `model`, with the settings' queue limits, timeout and batching policy."""
+    """The engine over `model`, with the settings' queue limits, timeout and batching policy. Prefix caching
+    needs mixed steps (a cached prompt's prefill starts mid-prompt): without them it is off, and the log says so."""
+    caching = settings.enable_prefix_caching
+    if caching and not (model.table.mixed_tokens and settings.batching == "continuous"):
+        log.info("prefix caching is off: it needs mixed steps (continuous batching, --mixed-steps)")
+        caching = False
     return Engine(model, max_waiting_requests=settings.max_waiting_requests,
                   max_waiting_tokens=settings.max_waiting_tokens, request_timeout=settings.request_timeout,
                   metrics=hooks, batching=settings.batching, log_prompts=settings.log_prompts,
-                  waiting_served_ratio=settings.waiting_served_ratio)
+                  waiting_served_ratio=settings.waiting_served_ratio, prefix_caching=caching)
 
 
 def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = None,

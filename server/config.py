@@ -76,6 +76,8 @@ class ServerSettings:
     # Mixed steps: the most tokens a step carries while rows decode (the largest token bucket up to it). -1: auto
     # (MIXED_STEP_TOKENS, 128, where the table allows); 0: the chunk length.
     max_step_tokens: int = -1
+    # A freed slot keeps its K/V; a prompt that begins with the tokens it holds reuses them (mixed steps only).
+    enable_prefix_caching: bool = True
     recompile_policy: str = "error"  # error | allow
     batching: str = "continuous"  # continuous | static (run-to-completion batches, for comparison)
     # Persistent compile cache root; a subdirectory per (model, dtype, device, buckets, versions) is used.

@@ -42,7 +42,8 @@ log = logging.getLogger("bucketserve.engine")
 class Engine:
     def __init__(self, model: EngineModel, *, max_waiting_requests: int = 64, max_waiting_tokens: int = 65536,
                  request_timeout: float = 0.0, metrics: MetricsHooks | None = None, batching: str = "continuous",
-                 log_prompts: bool = False, waiting_served_ratio: float = WAITING_SERVED_RATIO) -> None:
+                 log_prompts: bool = False, waiting_served_ratio: float = WAITING_SERVED_RATIO,
+                 prefix_caching: bool = False) -> None:
         self.model = model
         self.table = model.table
         self.tokenizer = model.tokenizer
@@ -52,7 +53,7 @@ class Engine:
         self.metrics = SafeHooks(metrics)
         self.request_timeout = request_timeout
         self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens, batching,
-                                    waiting_served_ratio=waiting_served_ratio)
+                                    waiting_served_ratio=waiting_served_ratio, prefix_caching=prefix_caching)
         self._book = RequestBook(self._scheduler, self.metrics, request_timeout, self.table.max_batch,
                                  self.tokenizer if log_prompts else None)
         # The book's lock, its condition and its requests: admission and each step's delivery hold them here too.
@@ -160,7 +161,8 @@ class Engine:
             if len(set(request_ids)) < len(request_ids) or any(rid in self._active for rid in request_ids):
                 raise ValueError(f"request ids {request_ids!r} are already in use")
             seqs = [Sequence(rid, len(prompt_ids), p.max_tokens,
-                             frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids))
+                             frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids),
+                             prompt_ids=tuple(prompt_ids) if self._scheduler.prefix_caching else ())
                     for prompt_ids, p, rid in zip(prompts, params, request_ids, strict=True)]
             samplers = [self.model.sampler(p, prompt_ids) for prompt_ids, p in zip(prompts, params)]
             try:
@@ -242,7 +244,10 @@ class Engine:
             prompts[seq.request_id] = active.prompt_ids
             if not active.started:  # a mixed step's piece may continue a prompt begun earlier
                 active.started = True
+                active.handle.cached_tokens = seq.cached  # read by the event loop after this step's events
                 self.metrics.request_started(seq.bucket, now - active.arrival)
+                if self._scheduler.prefix_caching:
+                    self.metrics.prefix_cache(seq.prompt_len, seq.cached)
         return prompts
 
     def _prompts(self, step: Step | None) -> dict[str, list[int]]:

@@ -105,6 +105,9 @@ class RequestHandle:
     _settle: Callable[[str, bool], None] | None = field(default=None, repr=False)
     _queue: asyncio.Queue[TokenEvent] = field(init=False, repr=False)
     _done: bool = field(default=False, init=False)
+    # Prompt tokens whose K/V a prefix-cached slot already held (set by the engine thread when the prompt starts,
+    # before any of its events are delivered).
+    cached_tokens: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self._queue = asyncio.Queue()

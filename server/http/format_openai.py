@@ -28,9 +28,10 @@ class OpenAIFormat:
     chunk_object = "text_completion"
 
     def __init__(self, state: AppState, gen: Generation, prompt_tokens: int, include_usage: bool,
-                 logprobs: bool) -> None:
+                 logprobs: bool, choices: int = 1) -> None:
         self.state, self.gen, self.tok = state, gen, state.tokenizer
         self.prompt_tokens = prompt_tokens
+        self.choices = choices  # sequences per prompt: gen.handles holds each prompt's, one after another
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.generated = 0
@@ -75,9 +76,14 @@ class OpenAIFormat:
         usage_field = {"usage": None} if self.include_usage else {}
         return sse({**self.envelope([choice], stream=True), **usage_field})
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompt tokens a prefix-cached slot already
+        held, counted once per prompt as prompt_tokens counts them (the most any of its sequences reused)."""
+        hs, n = self.gen.handles, max(1, self.choices)
+        cached = sum(max(h.cached_tokens for h in hs[i : i + n]) for i in range(0, len(hs), n))
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
         return {"id": self.gen.id, "object": self.chunk_object if stream else self.object,
@@ -91,8 +97,8 @@ def _failure(error: str | None) -> str:
 
 class CompletionFormat(OpenAIFormat):
     def __init__(self, state: AppState, gen: Generation, prompt_tokens: int, include_usage: bool,
-                 logprobs: bool, echoes: list[str]) -> None:
-        super().__init__(state, gen, prompt_tokens, include_usage, logprobs)
+                 logprobs: bool, echoes: list[str], choices: int = 1) -> None:
+        super().__init__(state, gen, prompt_tokens, include_usage, logprobs, choices)
         self.echoes = echoes
         self.offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
 

@@ -44,7 +44,7 @@ async def completions(request: Request) -> Response:
                      for p, ids in zip(raw_prompts, prompts)]
             echoes = [t for t in texts for _ in range(req.num_choices())]
         fmt = CompletionFormat(state, gen, sum(len(p) for p in prompts), include_usage, req.logprobs is not None,
-                               echoes)
+                               echoes, req.num_choices())
     except BaseException:
         gen.abort_all()  # admitted but never to be read: free its slots now
         raise
@@ -60,5 +60,5 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = req.max_new_tokens() or default_max_tokens(state, len(ids))
     include_usage = req.include_usage()
     gen = _admit(state, req, "chatcmpl", [ids], max_tokens, req.logprobs_k())
-    fmt = ChatFormat(state, gen, len(ids), include_usage, bool(req.logprobs))
+    fmt = ChatFormat(state, gen, len(ids), include_usage, bool(req.logprobs), req.num_choices())
     return stream_response(gen, fmt) if req.stream else await whole_response(request, gen, fmt)

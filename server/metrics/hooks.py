@@ -45,6 +45,7 @@ class MetricsHooks(Protocol):
                          finish_reason: str) -> None: ...
     def set_load(self, running: int, waiting: int, slots_free: int) -> None: ...
     def request_aborted(self, reason: str) -> None: ...
+    def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None: ...
 
     # -- HTTP layer (event loop) -------------------------------------------------------------
     def request_admitted(self, bucket: int, prompt_tokens: int) -> None: ...
@@ -118,6 +119,9 @@ class NoMetrics:
         return None
 
     def request_aborted(self, reason: str) -> None:
+        return None
+
+    def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
         return None
 
     def request_admitted(self, bucket: int, prompt_tokens: int) -> None:
@@ -264,6 +268,12 @@ class SafeHooks:
             self._hooks.request_aborted(reason)
         except Exception:  # noqa: BLE001 - see the module docstring
             self._failed_once("request_aborted")
+
+    def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        try:
+            self._hooks.prefix_cache(prompt_tokens, cached_tokens)
+        except Exception:  # noqa: BLE001 - see the module docstring
+            self._failed_once("prefix_cache")
 
     def request_admitted(self, bucket: int, prompt_tokens: int) -> None:
         try:

@@ -79,6 +79,11 @@ class Metrics(CompileSeries):
         self._bucket_requests = {n: bucket_requests.labels(str(n)) for n in lengths}
         self._prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of admitted sequences (each is "
                                       "prefilled: n choices count their prompt n times).")
+        # vLLM's pair (prefix_cache_queries / prefix_cache_hits), in tokens: hits / queries is the hit rate.
+        self._prefix_queries = counter("prefix_cache_queries_total", "Prompt tokens of sequences started while "
+                                       "prefix caching is on (each looked up in the free slots).")
+        self._prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens whose K/V a free slot already "
+                                    "held (not computed again).")
         padding = counter("padding_tokens_total", "Pad tokens computed, by phase.", ("phase",))
         self._padding_prefill = padding.labels("prefill")
         self._padding_decode = padding.labels("decode")
@@ -231,6 +236,12 @@ class Metrics(CompileSeries):
 
     def request_aborted(self, reason: str) -> None:
         pick(self._aborted, reason, "abort reason").inc()
+
+    def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        check_count("prompt_tokens", prompt_tokens, 1)
+        check_count("cached_tokens", cached_tokens, 0, prompt_tokens - 1)
+        self._prefix_queries.inc(prompt_tokens)
+        self._prefix_hits.inc(cached_tokens)
 
     # -- HTTP layer ---------------------------------------------------------------------------------
     def request_admitted(self, bucket: int, prompt_tokens: int) -> None:

@@ -28,6 +28,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bucketserve_prompt_tokens_total": ("counter", ()),
     "bucketserve_padding_tokens_total": ("counter", ("phase",)),
     "bucketserve_requests_over_limit_total": ("counter", ()),
+    "bucketserve_prefix_cache_queries_total": ("counter", ()),
+    "bucketserve_prefix_cache_hits_total": ("counter", ()),
     "bucketserve_batch_occupancy": ("histogram", ()),
     "bucketserve_prompt_length": ("histogram", ()),
     # latency

@@ -31,6 +31,7 @@ EVERY_SETTING_CHANGED: dict[str, Any] = {
     "kvBuckets": [256, 1024], "prefillChunkSize": 512,
     "maxModelLen": 1024, "bucketsFile": "/models/plan.json", "maxWaitingRequests": 7, "maxWaitingTokens": 9999,
     "recompilePolicy": "allow", "batching": "static", "inductorFreezing": True, "weightPrepack": False, "mixedSteps": False,
+    "enablePrefixCaching": False,
     "nativeKernels": False, "cudaGraphs": True, "quantize": "int8",
     "requireCachedGraphs": True, "compileWorkers": 2,
     "numThreads": 3, "protectMetrics": True,

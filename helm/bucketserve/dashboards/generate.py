@@ -163,6 +163,10 @@ def shapes() -> list[Panel]:
                    "mean", ref=3),
         ], "percentunit", "active rows / batch bucket per decode step"),
         timeseries("Prompt length", quantile_targets("bucketserve_prompt_length"), "short"),
+        timeseries("Prefix cache hit rate", [
+            target(f"{rate_sum('bucketserve_prefix_cache_hits_total')} / "
+                   f"{rate_sum('bucketserve_prefix_cache_queries_total')}", "hits / queries"),
+        ], "percentunit", "share of started prompts' tokens whose K/V a free slot already held"),
     ]
 
 

@@ -36,13 +36,6 @@ async def started(engine: Engine) -> Engine:
     return engine
 
 
-@pytest.fixture(scope="module")
-def reference_model(tiny_llama: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa").eval()
-
-
 def solo(model, ids: list[int], n: int) -> list[int]:
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                          max_new_tokens=n, do_sample=False, pad_token_id=1, eos_token_id=None)

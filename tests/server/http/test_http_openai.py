@@ -34,7 +34,8 @@ def test_completion_greedy_echo_length_usage_and_headers(client: TestClient) -> 
     (choice,) = body["choices"]
     assert choice["text"] == "hello worldhello worldhello"  # 5 echoed tokens: "hello", " world", ...
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert r.headers["x-bucket"] == "16" and r.headers["x-padded-tokens"] == "14"
 
 

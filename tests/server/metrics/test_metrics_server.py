@@ -48,7 +48,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def live(checkpoint: str) -> Iterator[Served]:
-    settings = tiny_settings(model=checkpoint, compile_backend="dynamo-eager")
+    # Prefix caching off: the script's prompts share prefixes (words(n) begins with words(m) for m < n), and
+    # its exact prefill padding counts prefill steps (tests/server/engine/test_prefix_caching.py serves it on).
+    settings = tiny_settings(model=checkpoint, compile_backend="dynamo-eager", enable_prefix_caching=False)
     with serve(settings) as served:
         assert served.engine.table == TINY_SERVED_TABLE  # mixed steps on: sequential requests below never mix
         yield served

@@ -1,0 +1,157 @@
+"""Prefix caching in the scheduler, driven without a model: which slot a prompt takes, where its prefill starts,
+and what a freed slot is said to hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from buckets import BucketTable
+from buckets.prefix_cache import MIN_MATCH, SlotPrefixes, common_prefix
+from buckets.scheduler import MixedStep, PrefillStep, Scheduler, Sequence
+
+TABLE = BucketTable(lengths=(8, 16, 32, 64), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1,), context_length=128,
+                    chunked_prefill=True, mixed_tokens=(8, 16, 32, 64))
+
+
+def seq(rid: str, ids: list[int], max_tokens: int = 3) -> Sequence:
+    return Sequence(rid, len(ids), max_tokens, prompt_ids=tuple(ids))
+
+
+def drain(s: Scheduler, tokens: dict[str, list[int]] | None = None) -> list[object]:
+    """Run steps until nothing is left; request r samples tokens[r] in order (else 900, 901, ...)."""
+    steps: list[object] = []
+    counts: dict[str, int] = {}
+    while (step := s.schedule()) is not None:
+        sampled = {}
+        for q in step.sampling_seqs:
+            i = counts.get(q.request_id, 0)
+            counts[q.request_id] = i + 1
+            own = (tokens or {}).get(q.request_id)
+            sampled[q.request_id] = own[i] if own and i < len(own) else 900 + i
+        s.update(step, sampled)
+        steps.append(step)
+    return steps
+
+
+def pieces(step: object) -> list[tuple[str, int, int, int]]:
+    assert isinstance(step, MixedStep)
+    return [(p.seq.request_id, p.seq.slot, p.offset, p.num_tokens) for p in step.pieces]
+
+
+def test_common_prefix() -> None:
+    assert common_prefix((1, 2, 3), (1, 2, 3, 4)) == 3
+    assert common_prefix((1, 2, 3), (1, 2, 4)) == 2
+    assert common_prefix((), (1,)) == 0
+    assert common_prefix(tuple(range(100)) + (7,), tuple(range(100)) + (8,)) == 100
+
+
+def test_best_match_rules() -> None:
+    p = SlotPrefixes(limit=40)
+    long = tuple(range(50))
+    p.release(0, long[:20])
+    p.release(1, long[:30])
+    p.release(2, long[:30])
+    p.release(3, (99,) + long[1:30])  # differs at the first token
+    assert p.held[1] == long[:30]
+    assert p.best(long, [0, 1, 2, 3]) == (1, 30)  # the longest; the lowest slot on a tie
+    assert p.best(long, [0, 3]) == (0, 20)
+    assert p.best(long[:20], [0]) == (0, 19)  # the last prompt token always runs
+    assert p.best(long[:MIN_MATCH], [0]) == (-1, 0)  # 15 tokens: not worth leaving lowest-first order
+    assert p.best(long, [2]) == (2, 30) and p.best(long, []) == (-1, 0)
+    p.take(1)
+    assert p.best(long, [1]) == (-1, 0)
+    p.release(4, long)
+    assert p.held[4] == long[:40]  # the limit: position context - 1 is not claimed
+    p.release(4, ())
+    assert 4 not in p.held
+    with pytest.raises(ValueError):
+        SlotPrefixes(limit=0)
+
+
+def test_a_repeated_prompt_starts_where_the_freed_slot_match_ends() -> None:
+    s = Scheduler(TABLE, prefix_caching=True)
+    prompt = list(range(1, 41))
+    s.add(seq("a", prompt))
+    drain(s)
+    assert s.free_slots() == [0, 1, 2, 3]
+    s.add(seq("b", prompt))
+    step = s.schedule()
+    # Nothing decodes and 40 tokens fit a prefill bucket, but a prefill starts at position 0: a mixed step
+    # carries the one token the slot does not hold.
+    assert isinstance(step, MixedStep) and step.tokens == 8
+    assert pieces(step) == [("b", 0, 39, 1)]
+    assert step.pieces[0].seq.cached == 39
+    s.update(step, {"b": 5})
+    assert s.running[0].is_decoding
+
+
+def test_a_matching_slot_is_taken_over_the_lowest_free_one() -> None:
+    s = Scheduler(TABLE, prefix_caching=True)
+    shared = list(range(1, 33))
+    s.add_many([seq("x", [70 + i for i in range(20)], max_tokens=1), seq("y", shared + [5, 6], max_tokens=1)])
+    drain(s)  # x in slot 0, y in slot 1
+    s.add(seq("z", shared + [7, 8, 9]))
+    step = s.schedule()
+    assert pieces(step) == [("z", 1, 32, 3)]  # slot 1 holds the 32 shared tokens
+    s.add(seq("w", [50 + i for i in range(20)]))  # no match: the lowest free slot
+    drain(s)
+    assert s.running == {}
+
+
+def test_the_freed_slot_holds_the_prompt_and_all_but_the_last_sampled_token() -> None:
+    s = Scheduler(TABLE, prefix_caching=True)
+    turn1 = list(range(1, 25))
+    s.add(seq("t1", turn1, max_tokens=4))
+    drain(s, {"t1": [31, 32, 33, 34]})
+    assert s._prefixes is not None and s._prefixes.held[0] == tuple(turn1 + [31, 32, 33])
+    # The next turn repeats the conversation (and the reply) and adds to it: all of it but the new part is reused.
+    turn2 = turn1 + [31, 32, 33, 34, 40, 41]
+    s.add(seq("t2", turn2))
+    step = s.schedule()
+    assert pieces(step) == [("t2", 0, 27, 3)]
+
+
+def test_an_aborted_prompt_leaves_only_what_was_prefilled() -> None:
+    table = BucketTable(lengths=(8, 16), batch_sizes=(1, 2), prefill_batch_sizes=(1,), context_length=128,
+                        chunked_prefill=True, mixed_tokens=(8, 16, 32))
+    s = Scheduler(table, prefix_caching=True)
+    s.add(seq("d", [9] * 5, max_tokens=20))
+    s.update(s.schedule(), {"d": 1})  # d decodes in slot 0: the mixed budget (16) from now on
+    long = list(range(100, 160))
+    s.add(seq("long", long))
+    step = s.schedule()
+    assert pieces(step) == [("long", 1, 0, 15)]
+    s.update(step, {"d": 1})
+    step = s.schedule()
+    assert pieces(step) == [("long", 1, 15, 15)]
+    s.update(step, {"d": 1})
+    s.abort("long")
+    assert s._prefixes is not None and s._prefixes.held[1] == tuple(long[:30])
+    s.add(seq("again", long))
+    step = s.schedule()
+    assert pieces(step) == [("again", 1, 30, 15)]
+
+
+def test_a_running_slot_and_a_prefill_step_claim_nothing() -> None:
+    s = Scheduler(TABLE, prefix_caching=True)
+    s.add(seq("a", list(range(1, 21)), max_tokens=1))
+    drain(s)
+    s.add(seq("b", [60 + i for i in range(10)]))  # no match: a prefill step into slot 0, which it overwrites
+    step = s.schedule()
+    assert isinstance(step, PrefillStep) and step.seqs[0].slot == 0
+    assert s._prefixes is not None and 0 not in s._prefixes.held
+
+
+def test_off_by_default_and_only_with_mixed_steps() -> None:
+    s = Scheduler(TABLE)
+    prompt = list(range(1, 41))
+    s.add(seq("a", prompt))
+    drain(s)
+    s.add(seq("b", prompt))
+    step = s.schedule()
+    assert pieces(step) == [("b", 0, 0, 32)] and step.seqs[0].cached == 0  # from position 0 (32 + 8 tokens)
+    plain = BucketTable(lengths=(8, 16), batch_sizes=(1, 2), prefill_batch_sizes=(1,), context_length=64)
+    with pytest.raises(ValueError, match="mixed steps"):
+        Scheduler(plain, prefix_caching=True)
+    with pytest.raises(ValueError, match="prompt ids"):
+        Scheduler(TABLE).add(Sequence("c", 3, 1, prompt_ids=(1, 2)))
