@@ -1,12 +1,15 @@
-"""Prefix caching over static slots: what each free slot's K/V still holds, and which free slot a new prompt
-should take to skip the most of its prefill.
+"""Prefix caching over static slots: what each free slot's K/V still holds, and where a new prompt's prefill
+can start.
 
 Why: the slot cache is preallocated per slot, and a finished request's K/V stays in its slot until another
 request overwrites it. A new prompt that begins with the same tokens (a shared system prompt, the next turn of
-a conversation that repeats the earlier turns and the model's answer) can take that slot and start its prefill
-where the match ends: the positions before it already hold exactly the K/V it would compute (same tokens at the
-same positions). vLLM keeps a hash table of 16-token blocks for the same purpose; a slot here is one contiguous
-sequence, so a match is a common prefix, found by comparing the prompt with each free slot's tokens.
+a conversation that repeats the earlier turns and the model's answer) needs no K/V computed for them: the
+positions of the match hold exactly the K/V it would compute (same tokens at the same positions). vLLM keeps a
+hash table of 16-token blocks for the same purpose; a slot here is one contiguous sequence, so a match is a
+common prefix, found by comparing the prompt with each candidate slot's tokens: the free slots' (what they held
+when freed) and the running requests' (what they have computed so far). The prompt takes the lowest free slot
+(small decode batch buckets) and, where the match lies in another slot, its K/V positions are copied there
+before the step runs (a few MB: far less than computing them).
 
 Pure Python, no torch: the scheduler (buckets/scheduler.py) owns one and tells it when a slot is taken and what
 a slot holds when it is freed.
@@ -14,10 +17,12 @@ a slot holds when it is freed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# Matches shorter than this are not worth taking a slot out of lowest-first order for: a higher slot can keep a
-# larger decode batch bucket running for the request's whole life, and a few tokens of prefill cost little.
+from buckets.steps import Sequence
+
+# Matches shorter than this are not reused: a few tokens of prefill cost less than the copy's fixed cost.
 MIN_MATCH = 16
 
 
@@ -38,9 +43,9 @@ def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 @dataclass
 class SlotPrefixes:
-    """The tokens whose K/V each free slot holds at positions [0, len) (a running slot holds nothing reusable
-    until it is freed again). `limit`: the most positions a slot may claim; position context - 1 is excluded
-    because a decode step's free rows write their dummy K/V there (models/slot_cache.py, DecodeLayer)."""
+    """The tokens whose K/V each free slot holds at positions [0, len) (a running slot's are its sequence's
+    held_tokens()). `limit`: the positions a slot has. A step that writes a free slot makes the scheduler forget
+    its record: a decode step computes its free rows at position 0 of their slots (models/step_functions.py)."""
 
     limit: int
     held: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> token ids at positions 0..n-1
@@ -57,21 +62,31 @@ class SlotPrefixes:
         else:
             self.held.pop(slot, None)
 
-    def take(self, slot: int) -> None:
-        """`slot` now belongs to a request: whatever it held is being overwritten from the match on."""
+    def forget(self, slot: int) -> None:
+        """`slot` holds nothing to reuse: a request took it (and overwrites it), or a step that wrote it failed."""
         self.held.pop(slot, None)
 
-    def best(self, prompt: tuple[int, ...], free: list[int]) -> tuple[int, int]:
-        """(slot, tokens to reuse) for `prompt` among the free slots: the longest match of at least MIN_MATCH
-        tokens, the lowest slot on ties; (-1, 0) when none. At most len(prompt) - 1 tokens are reused: the
-        prompt's last token must run to give its logits."""
-        best_slot, best_n = -1, 0
-        cap = len(prompt) - 1
-        for slot in free:
-            held = self.held.get(slot)
-            if held is None:
-                continue
-            n = min(common_prefix(held, prompt), cap)
-            if n >= MIN_MATCH and n > best_n:
-                best_slot, best_n = slot, n
-        return best_slot, best_n
+    def source(self, prompt: tuple[int, ...], slot: int, free: list[int], running: Mapping[int, Sequence]
+               ) -> tuple[int, int]:
+        """(source slot, tokens to reuse) for `prompt`, which takes `slot`: among the free slots (`slot`
+        included), by what they held when freed, and the running requests, by what they have computed so far
+        (their positions before it stay as they are while they run). (-1, 0) when nothing matches."""
+        if not prompt:
+            return -1, 0
+        candidates = {s: self.held[s] for s in (slot, *free) if s in self.held}
+        candidates.update((s, q.held_tokens()) for s, q in running.items() if q.prompt_ids and q.prefilled)
+        return best_match(prompt, candidates, slot)
+
+
+def best_match(prompt: tuple[int, ...], candidates: Mapping[int, tuple[int, ...]], prefer: int) -> tuple[int, int]:
+    """(slot, tokens to reuse) for `prompt` among candidate slots (slot -> the tokens it holds): the longest match
+    of at least MIN_MATCH tokens, `prefer` (the slot the prompt will take: no copy) then the lowest slot on ties;
+    (-1, 0) when none. At most len(prompt) - 1 tokens are reused: the prompt's last token must run to give its
+    logits."""
+    best_slot, best_n = -1, 0
+    cap = len(prompt) - 1
+    for slot in sorted(candidates, key=lambda s: (s != prefer, s)):
+        n = min(common_prefix(candidates[slot], prompt), cap)
+        if n >= MIN_MATCH and n > best_n:
+            best_slot, best_n = slot, n
+    return best_slot, best_n

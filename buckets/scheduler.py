@@ -17,8 +17,8 @@ chunking request is older than anything waiting, so it goes first (FCFS); it can
 Finished or aborted sequences free their slot at once.
 
 Prefix caching (`prefix_caching`, mixed steps only): a freed slot keeps its K/V, and a new prompt that begins
-with the tokens a free slot holds takes that slot and starts its prefill where the match ends, by mixed steps
-(a prefill step starts at position 0). buckets/prefix_cache.py has the policy.
+with the tokens a free slot holds, or a running request has computed, starts its prefill where the match ends,
+by mixed steps (a prefill step starts at position 0); buckets/prefix_cache.py has the policy.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from buckets.prefix_cache import SlotPrefixes
+from buckets.step_sizing import solo_prompt, trimmed
 from buckets.steps import ChunkStep, DecodeStep, MixedStep, Piece, PrefillStep, Sequence, Step
 from buckets.table import BucketTable
 
@@ -82,8 +83,7 @@ class Scheduler:
             if not self.table.mixed_tokens or self.policy != "continuous":
                 raise ValueError("prefix caching needs mixed steps (continuous batching and a table with mixed "
                                  "tokens): a cached prompt's prefill starts where its match ends")
-            # Position context - 1 is where a decode step's free rows write their dummy K/V.
-            self._prefixes = SlotPrefixes(self.table.context_length - 1)
+            self._prefixes = SlotPrefixes(self.table.context_length)
 
     # -- admission -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -145,6 +145,10 @@ class Scheduler:
             kv = self.table.kv_for(max(seq.position for seq in decoding.values()) + 1)
             parked = tuple((slot, s.prefilled) for slot, s in sorted(self.running.items())
                            if slot < batch and not s.is_decoding)
+            if self._prefixes is not None:  # the step computes its free rows at position 0 of their slots
+                for slot in range(batch):
+                    if slot not in self.running:
+                        self._prefixes.forget(slot)
             return DecodeStep(batch, kv, tuple(decoding[s] for s in sorted(decoding)), parked)
         return None
 
@@ -216,35 +220,8 @@ class Scheduler:
         return PrefillStep(length, self.table.prefill_batch_for(len(group)), tuple(group))
 
     def _solo_prompt(self, free: list[int]) -> bool:
-        """Nothing decodes and the next prompt is longer than the largest length bucket: a mixed step of the solo
-        budget (larger than a chunk) starts it, instead of a prefill of the first chunk. A prompt that fits a
-        length bucket takes mixed steps too where two of them pad less than its prefill (140 tokens: 128 + 32
-        token buckets, not the 256 length bucket)."""
-        if not (free and self.waiting):
-            return False
-        n = self.waiting[0].prompt_len
-        if n > self.table.max_length:
-            return self.table.solo_budget > self.table.mixed_budget
-        if n > self.table.solo_budget:
-            return False
-        first = self._trimmed(n, 0)
-        split = self.table.mixed_for(first) + (self.table.mixed_for(n - first) if first < n else 0)
-        return split < self.table.length_for(n)
-
-    def _trimmed(self, tokens: int, rows: int) -> int:
-        """How many of `tokens` (the step's tokens: `rows` decoding rows, then prompt tokens) a mixed step
-        carries: all of them, or only the next token bucket below when their own bucket would be mostly
-        padding. The cut tokens go into the next step; padding costs as much as a real token (a step's matmuls
-        run every row of its bucket), so the cut pays when that bucket plus the bucket of the cut tokens (with
-        the decoding rows again: the next step's size where nothing else comes) sum to less. E.g. 8 rows + 152
-        prompt tokens: 128 now and 32 + 8 in a 64 next, 192 tokens run instead of 256 (measured, one thread,
-        bf16: a mixed step costs ~1.25 ms a bucket token from 64 to 512 tokens)."""
-        if tokens <= self.table.mixed_tokens[0]:
-            return tokens
-        below = max(b for b in self.table.mixed_tokens if b < tokens)  # > rows: a prompt token stays in the step
-        if below > rows and below + self.table.mixed_for(rows + tokens - below) < self.table.mixed_for(tokens):
-            return below
-        return tokens
+        """Nothing decodes and the next prompt starts by mixed steps rather than a prefill (step_sizing)."""
+        return bool(free and self.waiting) and solo_prompt(self.table, self.waiting[0].prompt_len)
 
     def _mixed(self, decoding: dict[int, Sequence], chunking: Sequence | None, free: list[int]) -> MixedStep:
         decode = tuple(decoding[s] for s in sorted(decoding))
@@ -255,9 +232,10 @@ class Scheduler:
         total = self.table.solo_budget if big else self.table.mixed_budget
         prompt = (chunking.prompt_len - chunking.prefilled if chunking is not None else 0) \
             + sum(seq.prompt_len for seq in islice(self.waiting, len(free)))  # what can start: free slots
-        total = self._trimmed(min(total, len(decode) + prompt), len(decode))
+        total = trimmed(self.table, min(total, len(decode) + prompt), len(decode))
         budget = total - len(decode)
         pieces: list[Piece] = []
+        copies: list[tuple[int, int, int]] = []
         if chunking is not None:
             n = min(budget, chunking.prompt_len - chunking.prefilled)
             pieces.append(Piece(chunking, chunking.prefilled, n))
@@ -265,15 +243,16 @@ class Scheduler:
         while budget > 0 and self.waiting and free:
             seq = self.waiting.popleft()
             self._waiting_tokens -= seq.prompt_len
-            slot, reuse = self._prefixes.best(seq.prompt_ids, free) if self._prefixes else (-1, 0)
-            slot = slot if slot >= 0 else free[0]
-            free.remove(slot)
+            slot = free.pop(0)
+            source, reuse = self._match(seq.prompt_ids, slot, free)
+            if source not in (-1, slot):
+                copies.append((source, slot, reuse))
             self._take(seq, slot, reuse)
             n = min(budget, seq.prompt_len - reuse)
             pieces.append(Piece(seq, reuse, n))
             budget -= n
         self._last_was_prefill = False  # decoding rows advanced in this step too
-        return MixedStep(self.table.mixed_for(total - budget), decode, tuple(pieces))
+        return MixedStep(self.table.mixed_for(total - budget), decode, tuple(pieces), tuple(copies))
 
     def _take(self, seq: Sequence, slot: int, reuse: int = 0) -> None:
         """`seq` starts in `slot`, whose first `reuse` positions already hold its prompt's K/V."""
@@ -281,7 +260,7 @@ class Scheduler:
         seq.cached = seq.prefilled = reuse
         self.running[slot] = seq
         if self._prefixes is not None:
-            self._prefixes.take(slot)
+            self._prefixes.forget(slot)
 
     def _release(self, seq: Sequence) -> None:
         """`seq` leaves its slot (finished or aborted); the slot keeps what its K/V holds."""
@@ -291,11 +270,20 @@ class Scheduler:
         if self._prefixes is not None:
             self._prefixes.release(seq.slot, seq.held_tokens())
 
+    def discard(self, seq: Sequence) -> None:
+        """A step that wrote `seq`'s slot failed (its copy too, perhaps): the slot, once free, claims nothing."""
+        if self._prefixes is not None and seq.slot not in self.running:
+            self._prefixes.forget(seq.slot)
+
+    def _match(self, prompt: tuple[int, ...], slot: int, free: list[int]) -> tuple[int, int]:
+        """(source slot, tokens) of the longest reusable prefix of `prompt`, which takes `slot`."""
+        return self._prefixes.source(prompt, slot, free, self.running) if self._prefixes else (-1, 0)
+
     def _head_hits(self, free: list[int]) -> bool:
-        """The next waiting prompt matches a free slot: it starts by mixed steps, from where the match ends."""
+        """The next waiting prompt has a reusable prefix: it starts by mixed steps, from where the match ends."""
         if self._prefixes is None or not (free and self.waiting):
             return False
-        return self._prefixes.best(self.waiting[0].prompt_ids, free)[1] > 0
+        return self._match(self.waiting[0].prompt_ids, free[0], free[1:])[1] > 0
 
     def _chunk(self, seq: Sequence) -> ChunkStep:
         c = self.table.chunk_length

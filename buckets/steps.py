@@ -132,6 +132,8 @@ class MixedStep:
     tokens: int  # mixed token bucket
     decode: tuple[Sequence, ...]
     pieces: tuple[Piece, ...]
+    # Prefix caching: (from slot, to slot, n): copy K/V positions [0, n) before the step runs, in this order.
+    copies: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def seqs(self) -> tuple[Sequence, ...]:

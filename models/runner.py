@@ -198,6 +198,10 @@ class ModelRunner:
         token keep[r] (r < len(keep)), the other rows are padding."""
         return self._run_mixed(tokens, ids, positions, slots, keep)
 
+    def copy_prefix(self, source: int, target: int, n: int) -> None:
+        """Prefix caching: K/V positions [0, n) of slot `source` into slot `target`, before a step that reads them."""
+        self.storage.copy_prefix(source, target, n)
+
     def sample(self, logits: torch.Tensor, rows: Sequence[tuple[float, int, float, float, int, int] | None]
                ) -> tuple[torch.Tensor, ...]:
         """logits: [R, V] as a step returned them (R a row bucket); rows: (temperature, top_k, top_p, min_p, seed,

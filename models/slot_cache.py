@@ -273,3 +273,13 @@ class SlotStorage:
             for row, (slot, n) in enumerate(zip(slots, lengths)):
                 keys[slot, :, :n].copy_(layer.k[row, :, :n])
                 values[slot, :, :n].copy_(layer.v[row, :, :n])
+
+    def copy_prefix(self, source: int, target: int, n: int) -> None:
+        """Positions [0, n) of slot `source`'s K/V into slot `target` (prefix caching: a prompt that begins with
+        what another slot holds). Eager, outside every graph: [H, n, D] per layer and buffer."""
+        if not (0 <= source < self.max_slots and 0 <= target < self.max_slots and source != target
+                and 0 < n <= self.context_length):
+            raise ValueError(f"cannot copy {n} positions from slot {source} to slot {target}")
+        for keys, values in zip(self.keys, self.values):
+            keys[target, :, :n].copy_(keys[source, :, :n])
+            values[target, :, :n].copy_(values[source, :, :n])

@@ -72,9 +72,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "(128 where the table allows); 0: the chunk length")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching,
-                        help="a finished request's slot keeps its K/V, and a prompt that begins with the same tokens "
-                             "(a shared system prompt, a conversation's earlier turns) takes that slot and skips "
-                             "their prefill (default on; needs mixed steps)")
+                        help="a finished request's slot keeps its K/V, and a prompt that begins with tokens a slot "
+                             "holds (a shared system prompt, a conversation's earlier turns) reuses them instead "
+                             "of computing them again (default on; needs mixed steps)")
     parser.add_argument("--recompile-policy", default=d.recompile_policy, choices=["error", "allow"])
     parser.add_argument("--batching", default=d.batching, choices=["continuous", "static"],
                         help="static: a batch runs to completion before new requests join (for comparison)")

@@ -268,6 +268,8 @@ class Engine:
             failed = tuple(p.seq for p in step.pieces) if isinstance(step, MixedStep) else step.seqs
             for seq in failed:
                 self._book.finish_error(seq.request_id, f"{type(exc).__name__}: {exc}")
+                with self._lock:
+                    self._scheduler.discard(seq)  # what the failed step wrote (or copied) there is not known
             return
         with self._lock:
             owners = [self._active.get(seq.request_id) for seq in step.sampling_seqs]

@@ -221,6 +221,8 @@ class EngineModel:
         """Decoding rows first (one token each, slot order), then each prompt piece; logits row r belongs to
         step.sampling_seqs[r] (the decoding rows, then the pieces that end their prompt)."""
         assert self.runner is not None
+        for source, target, n in step.copies:  # prefix caching: reused K/V, before the step reads it
+            self.runner.copy_prefix(source, target, n)
         ids = [seq.last_token for seq in step.decode]
         positions = [seq.position for seq in step.decode]
         slots = [seq.slot for seq in step.decode]

@@ -81,9 +81,9 @@ class Metrics(CompileSeries):
                                       "prefilled: n choices count their prompt n times).")
         # vLLM's pair (prefix_cache_queries / prefix_cache_hits), in tokens: hits / queries is the hit rate.
         self._prefix_queries = counter("prefix_cache_queries_total", "Prompt tokens of sequences started while "
-                                       "prefix caching is on (each looked up in the free slots).")
-        self._prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens whose K/V a free slot already "
-                                    "held (not computed again).")
+                                       "prefix caching is on (each looked up in the slots).")
+        self._prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens whose K/V a slot already held "
+                                    "(a free slot, or a running request's; not computed again).")
         padding = counter("padding_tokens_total", "Pad tokens computed, by phase.", ("phase",))
         self._padding_prefill = padding.labels("prefill")
         self._padding_decode = padding.labels("decode")

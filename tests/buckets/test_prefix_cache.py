@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from buckets import BucketTable
-from buckets.prefix_cache import MIN_MATCH, SlotPrefixes, common_prefix
-from buckets.scheduler import MixedStep, PrefillStep, Scheduler, Sequence
+from buckets.prefix_cache import MIN_MATCH, SlotPrefixes, best_match, common_prefix
+from buckets.scheduler import DecodeStep, MixedStep, PrefillStep, Scheduler, Sequence
 
 TABLE = BucketTable(lengths=(8, 16, 32, 64), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1,), context_length=128,
                     chunked_prefill=True, mixed_tokens=(8, 16, 32, 64))
@@ -46,24 +46,30 @@ def test_common_prefix() -> None:
 
 
 def test_best_match_rules() -> None:
+    long = tuple(range(50))
+    held = {0: long[:20], 1: long[:30], 2: long[:30], 3: (99,) + long[1:30]}  # 3 differs at the first token
+    assert best_match(long, held, prefer=0) == (1, 30)  # the longest; the lowest slot on a tie
+    assert best_match(long, held, prefer=2) == (2, 30)  # ... unless the prompt's own slot ties: no copy
+    assert best_match(long, {0: long[:20], 3: held[3]}, prefer=3) == (0, 20)
+    assert best_match(long[:20], {0: long[:20]}, prefer=1) == (0, 19)  # the last prompt token always runs
+    assert best_match(long[:MIN_MATCH], {0: long}, prefer=0) == (-1, 0)  # 15 tokens: not worth a copy
+    assert best_match(long, {}, prefer=0) == (-1, 0)
+
+
+def test_slot_records() -> None:
     p = SlotPrefixes(limit=40)
     long = tuple(range(50))
-    p.release(0, long[:20])
     p.release(1, long[:30])
-    p.release(2, long[:30])
-    p.release(3, (99,) + long[1:30])  # differs at the first token
-    assert p.held[1] == long[:30]
-    assert p.best(long, [0, 1, 2, 3]) == (1, 30)  # the longest; the lowest slot on a tie
-    assert p.best(long, [0, 3]) == (0, 20)
-    assert p.best(long[:20], [0]) == (0, 19)  # the last prompt token always runs
-    assert p.best(long[:MIN_MATCH], [0]) == (-1, 0)  # 15 tokens: not worth leaving lowest-first order
-    assert p.best(long, [2]) == (2, 30) and p.best(long, []) == (-1, 0)
-    p.take(1)
-    assert p.best(long, [1]) == (-1, 0)
+    assert p.source(long, 0, [1, 2], {}) == (1, 30)
+    p.forget(1)
+    assert p.source(long, 0, [1, 2], {}) == (-1, 0)
     p.release(4, long)
     assert p.held[4] == long[:40]  # the limit: position context - 1 is not claimed
     p.release(4, ())
     assert 4 not in p.held
+    running = Sequence("r", 50, 5, prompt_ids=long, prefilled=25)  # mid-prompt: what it has computed so far
+    assert p.source(long, 0, [], {3: running}) == (3, 25)
+    assert p.source((), 0, [], {3: running}) == (-1, 0)
     with pytest.raises(ValueError):
         SlotPrefixes(limit=0)
 
@@ -85,17 +91,35 @@ def test_a_repeated_prompt_starts_where_the_freed_slot_match_ends() -> None:
     assert s.running[0].is_decoding
 
 
-def test_a_matching_slot_is_taken_over_the_lowest_free_one() -> None:
+def test_a_match_in_another_slot_is_copied_into_the_lowest_free_one() -> None:
     s = Scheduler(TABLE, prefix_caching=True)
     shared = list(range(1, 33))
     s.add_many([seq("x", [70 + i for i in range(20)], max_tokens=1), seq("y", shared + [5, 6], max_tokens=1)])
     drain(s)  # x in slot 0, y in slot 1
     s.add(seq("z", shared + [7, 8, 9]))
     step = s.schedule()
-    assert pieces(step) == [("z", 1, 32, 3)]  # slot 1 holds the 32 shared tokens
-    s.add(seq("w", [50 + i for i in range(20)]))  # no match: the lowest free slot
+    # slot 1 holds the 32 shared tokens: z takes slot 0 (small decode buckets), its 32 positions copied over
+    assert pieces(step) == [("z", 0, 32, 3)]
+    assert isinstance(step, MixedStep) and step.copies == ((1, 0, 32),)
+    s.update(step, {"z": 4})
+    assert s._prefixes is not None and s._prefixes.held == {1: tuple(shared + [5, 6])}  # the source keeps its own
     drain(s)
     assert s.running == {}
+
+
+def test_a_running_request_shares_what_it_has_computed() -> None:
+    s = Scheduler(TABLE, prefix_caching=True)
+    system = list(range(1, 31))
+    s.add(seq("first", system + [40, 41], max_tokens=10))
+    s.update(s.schedule(), {"first": 5})  # first decodes in slot 0
+    s.add(seq("second", system + [50, 51, 52]))
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and step.copies == ((0, 1, 30),)
+    assert pieces(step) == [("second", 1, 30, 3)]
+    s.update(step, {"first": 6, "second": 7})
+    s.abort("second")
+    s.discard(step.pieces[0].seq)  # as the engine does for a failed step: the copy may not have happened
+    assert s._prefixes is not None and 1 not in s._prefixes.held
 
 
 def test_the_freed_slot_holds_the_prompt_and_all_but_the_last_sampled_token() -> None:
@@ -155,3 +179,16 @@ def test_off_by_default_and_only_with_mixed_steps() -> None:
         Scheduler(plain, prefix_caching=True)
     with pytest.raises(ValueError, match="prompt ids"):
         Scheduler(TABLE).add(Sequence("c", 3, 1, prompt_ids=(1, 2)))
+
+
+def test_a_decode_step_ends_the_records_of_its_free_rows() -> None:
+    """A decode step computes its free rows at position 0 of their slots: those slots no longer hold their
+    records' first position."""
+    s = Scheduler(TABLE, prefix_caching=True)
+    s.add_many([seq("a", list(range(1, 25)), max_tokens=1), seq("b", list(range(30, 50)), max_tokens=8)])
+    while not isinstance(step := s.schedule(), DecodeStep):  # mixed steps prefill both; a ends in slot 0
+        s.update(step, {q.request_id: 3 for q in step.sampling_seqs})
+    assert 0 not in s.running and s.running[1].request_id == "b" and step.batch == 2
+    assert s._prefixes is not None and 0 not in s._prefixes.held
+    s.add(seq("again", list(range(1, 25))))
+    assert pieces(s.schedule()) == [("again", 0, 0, 24)]  # computed again from position 0

@@ -166,7 +166,7 @@ def shapes() -> list[Panel]:
         timeseries("Prefix cache hit rate", [
             target(f"{rate_sum('bucketserve_prefix_cache_hits_total')} / "
                    f"{rate_sum('bucketserve_prefix_cache_queries_total')}", "hits / queries"),
-        ], "percentunit", "share of started prompts' tokens whose K/V a free slot already held"),
+        ], "percentunit", "share of started prompts' tokens whose K/V a slot already held (not computed again)"),
     ]
 
 

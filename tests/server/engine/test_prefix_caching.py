@@ -31,8 +31,18 @@ def test_reused_prefixes_give_the_reference_tokens(tmp_path, reference_model) ->
         assert reason == "length"
         return tokens, handle.cached_tokens
 
+    copies: list[tuple[int, int, int]] = []
+
     async def main() -> list[tuple[list[int], list[int], int]]:
         engine = await started(tiny_engine(tmp_path, settings=tiny_settings(compile_backend="dynamo-eager")))
+        runner = engine.model.runner
+        copy = runner.copy_prefix
+
+        def recorded(source: int, target: int, n: int) -> None:
+            copies.append((source, target, n))
+            copy(source, target, n)
+
+        runner.copy_prefix = recorded
         try:
             assert engine._scheduler.prefix_caching
             runs = []
@@ -44,7 +54,8 @@ def test_reused_prefixes_give_the_reference_tokens(tmp_path, reference_model) ->
             runs.append((turn2, *await ask(engine, turn2, 6)))
             other = system + rng.choices(range(10, 400), k=9)  # the system prompt alone matches
             runs.append((other, *await ask(engine, other, 5)))
-            # Several at once: each takes the free slot that matches it best, while others decode.
+            # Several at once: the first reuses slot 0 in place, the others copy its first 30 positions (the
+            # copies run before the step that computes the rest).
             batch = [system + rng.choices(range(10, 400), k=k) for k in (3, 11, 20)]
             handles = [engine.submit(ids, SamplingParams(max_tokens=7, **GREEDY)) for ids in batch]
             outs = await asyncio.gather(*(collect(h) for h in handles))
@@ -62,7 +73,8 @@ def test_reused_prefixes_give_the_reference_tokens(tmp_path, reference_model) ->
     assert cached[1] == len(first) - 1
     assert cached[2] == len(first) + len(runs[0][1]) - 1  # the prompt and every answer token but the last
     assert cached[3] == len(system)
-    assert max(cached[4:]) >= len(system)  # at least one of the three found a slot holding the system prompt
+    assert cached[4:] == [len(system)] * 3
+    assert copies == [(0, 1, len(system)), (0, 2, len(system))]
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +108,39 @@ def test_served_usage_and_metrics_count_the_reused_tokens(checkpoint: str) -> No
 
     assert delta("bucketserve_prefix_cache_queries_total") == 3 * 40
     assert delta("bucketserve_prefix_cache_hits_total") == 2 * 39
+
+
+def test_a_slot_a_decode_step_ran_as_a_free_row_is_not_reused(tmp_path, reference_model) -> None:
+    """A decode step computes its free rows at position 0 of their slots (models/step_functions.py): a record
+    that still claimed that slot's position 0 would hand a later prompt a clobbered first position."""
+    rng = random.Random(2)
+    short = rng.choices(range(10, 400), k=24)
+    long = rng.choices(range(10, 400), k=20)
+
+    async def main() -> tuple[list[int], int]:
+        engine = await started(tiny_engine(tmp_path, settings=tiny_settings(compile_backend="dynamo-eager")))
+        try:
+            first = engine.submit(short, SamplingParams(max_tokens=2, **GREEDY))  # slot 0, done after a step
+            other = engine.submit(long, SamplingParams(max_tokens=40, **GREEDY))  # slot 1, decodes on: batch 2
+            it = other.__aiter__()
+            await collect(first)
+            for _ in range(6):  # decode steps run with slot 0 free
+                await it.__anext__()
+            again = engine.submit(short, SamplingParams(max_tokens=6, **GREEDY))
+            tokens, _ = await collect(again)
+            other.abort()
+            return tokens, again.cached_tokens
+        finally:
+            engine.stop()
+
+    tokens, cached = asyncio.run(main())
+    assert tokens == solo(reference_model, short, 6)
+    assert cached == 0  # slot 0's record went with the decode step that wrote it
+
+
+@pytest.mark.parametrize("overrides", [{"batching": "static", "prefill_chunk_size": 0}, {"mixed_steps": False},
+                                       {"enable_prefix_caching": False}])
+def test_off_without_mixed_steps_or_when_asked(tmp_path, overrides) -> None:
+    engine = tiny_engine(tmp_path, settings=tiny_settings(**overrides))
+    assert not engine._scheduler.prefix_caching
+    assert tiny_engine(tmp_path / "on", settings=tiny_settings())._scheduler.prefix_caching
