@@ -100,8 +100,15 @@ def test_served_usage_and_metrics_count_the_reused_tokens(checkpoint: str) -> No
                 usage = r.json()["usage"]
             bodies.append(usage)
         after = live.scrape()
+        # n choices and prompt lists: each prompt's cached tokens count once, as its prompt tokens do
+        many = httpx.post(live.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "n": 2, "max_tokens": 3, "temperature": 0, **NO_EOS}).json()["usage"]
+        listed = httpx.post(live.url + "/v1/completions", timeout=60, json={
+            "prompt": [prompt, list(range(100, 130))], "max_tokens": 3, "temperature": 0, **NO_EOS}).json()["usage"]
     assert [u["prompt_tokens_details"]["cached_tokens"] for u in bodies] == [0, 39, 39]
     assert all(u["prompt_tokens"] == 40 for u in bodies)
+    assert many["prompt_tokens"] == 40 and many["prompt_tokens_details"]["cached_tokens"] == 39
+    assert listed["prompt_tokens"] == 70 and listed["prompt_tokens_details"]["cached_tokens"] == 39
 
     def delta(name: str) -> float:
         return (after.get(name) or 0.0) - (before.get(name) or 0.0)
