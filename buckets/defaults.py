@@ -40,6 +40,10 @@ MIXED_TOKEN_BUDGET = 256
 # 8 clients 337-376 -> 185-201 ms, 16 clients 363-519 -> 201-233 ms; docs/performance.md, "Steps of 128 tokens
 # while rows decode").
 MIXED_STEP_TOKENS = 128
+# The smallest token bucket of a verify step (speculative decoding): a padding token costs about what a real one does
+# (scripts/bench_mixed.py), so one row and its drafts (2-4 tokens) run in a bucket of 8, not the smallest mixed one
+# (32 on the CPU, the smallest length bucket).
+MIN_VERIFY_TOKENS = 8
 # Most prompt tokens a mixed step carries when nothing decodes (the solo budget of the default table): a lone
 # 1024-token prompt in one step instead of four (docs/performance.md, "Solo steps").
 SOLO_TOKEN_BUDGET = 1024

@@ -19,15 +19,21 @@ Finished or aborted sequences free their slot at once.
 Prefix caching (`prefix_caching`, mixed steps only): a freed slot keeps its K/V, and a new prompt that begins
 with the tokens a free slot holds, or a running request has computed, starts its prefill where the match ends,
 by mixed steps (a prefill step starts at position 0); buckets/prefix_cache.py has the policy.
+
+Speculative decoding (`speculative_tokens`, mixed steps only): a decoding row that speculates carries draft tokens
+(buckets/speculation.py) after its last token, in a mixed step (a decode step computes one token a row), and
+`update` then takes each row's list of tokens, which the engine verified.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 
 from buckets.prefix_cache import SlotPrefixes
+from buckets.speculation import plan_drafts
 from buckets.step_sizing import solo_prompt, trimmed
 from buckets.steps import ChunkStep, DecodeStep, MixedStep, Piece, PrefillStep, Sequence, Step
 from buckets.table import BucketTable
@@ -63,6 +69,7 @@ class Scheduler:
     # setting, which trades the same thing differently (there it gates when a new prefill batch may join; 0: always).
     waiting_served_ratio: float = WAITING_SERVED_RATIO
     prefix_caching: bool = False
+    speculative_tokens: int = 0  # the most drafts a row carries (0: off); the table's draft_rows bound a step's
     waiting: deque[Sequence] = field(default_factory=deque)
     running: dict[int, Sequence] = field(default_factory=dict)  # slot -> sequence
     _waiting_tokens: int = 0
@@ -84,6 +91,9 @@ class Scheduler:
                 raise ValueError("prefix caching needs mixed steps (continuous batching and a table with mixed "
                                  "tokens): a cached prompt's prefill starts where its match ends")
             self._prefixes = SlotPrefixes(self.table.context_length)
+        if self.speculative_tokens < 0 or (self.speculative_tokens and not self.table.draft_rows):
+            raise ValueError("speculative decoding needs verify graphs (a table with mixed tokens and draft_rows); "
+                             f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
 
     # -- admission -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -141,6 +151,11 @@ class Scheduler:
             return self._chunk(chunking) if chunking is not None else self._prefill(free)
         self._last_was_prefill = False
         if decoding:
+            decode = tuple(decoding[s] for s in sorted(decoding))
+            drafts = self._drafts(decode)
+            if drafts:  # a verify step: every decoding row, the drafts after their last token
+                rows = len(decode) + sum(map(len, drafts))
+                return MixedStep(self.table.verify_for(rows), decode, (), drafts=drafts)
             batch = self.table.batch_for(max(decoding) + 1)
             kv = self.table.kv_for(max(seq.position for seq in decoding.values()) + 1)
             parked = tuple((slot, s.prefilled) for slot, s in sorted(self.running.items())
@@ -149,11 +164,12 @@ class Scheduler:
                 for slot in range(batch):
                     if slot not in self.running:
                         self._prefixes.forget(slot)
-            return DecodeStep(batch, kv, tuple(decoding[s] for s in sorted(decoding)), parked)
+            return DecodeStep(batch, kv, decode, parked)
         return None
 
-    def update(self, step: Step, sampled: dict[str, int]) -> list[Sequence]:
-        """Record each sequence's new token; returns the sequences that finished (slots freed)."""
+    def update(self, step: Step, sampled: Mapping[str, int | list[int]]) -> list[Sequence]:
+        """Record each sequence's new token (a verify step's row: its tokens, in order, of which those after a stop
+        or the length limit are dropped); returns the sequences that finished (slots freed)."""
         finished: list[Sequence] = []
         for seq in step.seqs:
             if seq.finish_reason is not None:
@@ -170,19 +186,12 @@ class Scheduler:
                 seq.num_chunks += 1
             if not seq.is_decoding or seq.request_id not in sampled:
                 continue  # a chunk that does not end the prompt yields no token
-            token = sampled[seq.request_id]
-            seq.last_token = token
-            if seq.prompt_ids:  # kept only where a slot's tokens may be reused
-                seq.output_ids.append(token)
-            seq.num_generated += 1
-            seq.position = seq.prompt_len + seq.num_generated - 1  # where this token's K/V will go
-            if token in seq.stop_ids:
-                seq.finish_reason = "stop"
-            elif seq.num_generated >= seq.max_tokens or seq.position >= self.table.context_length:
-                seq.finish_reason = "length"
-            if seq.finish_reason is not None:
-                self._release(seq)
-                finished.append(seq)
+            tokens = sampled[seq.request_id]
+            for token in tokens if isinstance(tokens, list) else (tokens,):
+                if seq.advance(token, self.table.context_length):
+                    self._release(seq)
+                    finished.append(seq)
+                    break
         return finished
 
     # -- state ------------------------------------------------------------------------------------
@@ -232,8 +241,10 @@ class Scheduler:
         total = self.table.solo_budget if big else self.table.mixed_budget
         prompt = (chunking.prompt_len - chunking.prefilled if chunking is not None else 0) \
             + sum(seq.prompt_len for seq in islice(self.waiting, len(free)))  # what can start: free slots
-        total = trimmed(self.table, min(total, len(decode) + prompt), len(decode))
-        budget = total - len(decode)
+        drafts = () if big else self._drafts(decode)  # verify graphs go up to the mixed budget
+        rows = len(decode) + sum(map(len, drafts))  # the decoding rows' tokens
+        total = trimmed(self.table, min(total, rows + prompt), rows)
+        budget = total - rows
         pieces: list[Piece] = []
         copies: list[tuple[int, int, int]] = []
         if chunking is not None:
@@ -252,7 +263,13 @@ class Scheduler:
             pieces.append(Piece(seq, reuse, n))
             budget -= n
         self._last_was_prefill = False  # decoding rows advanced in this step too
-        return MixedStep(self.table.mixed_for(total - budget), decode, tuple(pieces), tuple(copies))
+        bucket = self.table.verify_for(total - budget) if drafts else self.table.mixed_for(total - budget)
+        return MixedStep(bucket, decode, tuple(pieces), tuple(copies), drafts)
+
+    def _drafts(self, decode: tuple[Sequence, ...]) -> tuple[tuple[int, ...], ...]:
+        if not self.speculative_tokens:
+            return ()
+        return plan_drafts(decode, self.speculative_tokens, self.table.draft_rows, self.table.context_length)
 
     def _take(self, seq: Sequence, slot: int, reuse: int = 0) -> None:
         """`seq` starts in `slot`, whose first `reuse` positions already hold its prompt's K/V."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from buckets.speculation import NgramIndex
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -29,10 +31,28 @@ class Sequence:
     prompt_ids: tuple[int, ...] = ()
     output_ids: list[int] = field(default_factory=list)
     cached: int = 0
+    # Speculative decoding (buckets/speculation.py): the row's n-gram index when it may carry drafts (greedy,
+    # no logprobs, no penalties), else None.
+    ngrams: NgramIndex | None = None
 
     @property
     def is_decoding(self) -> bool:
         return self.prefilled >= self.prompt_len
+
+    def advance(self, token: int, context_length: int) -> bool:
+        """Record a generated token; whether it ends the sequence (a stop id, max_tokens, the context's end)."""
+        self.last_token = token
+        if self.prompt_ids:  # kept only where a slot's tokens may be reused
+            self.output_ids.append(token)
+        if self.ngrams is not None:
+            self.ngrams.append(token)
+        self.num_generated += 1
+        self.position = self.prompt_len + self.num_generated - 1  # where this token's K/V will go
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self.num_generated >= self.max_tokens or self.position >= context_length:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
 
     def held_tokens(self) -> tuple[int, ...]:
         """The tokens whose K/V this sequence's slot holds at positions 0..n-1 (what a later prompt may reuse):
@@ -126,14 +146,21 @@ class Piece:
 
 @dataclass(frozen=True)
 class MixedStep:
-    """Decoding rows and prompt pieces on one token axis, padded to the token bucket `tokens`: first one token
-    per row of `decode` (slot order), then each piece's tokens, then padding."""
+    """Decoding rows and prompt pieces on one token axis, padded to the token bucket `tokens`: first each row of
+    `decode` (slot order: its last token, then its drafts), then each piece's tokens, then padding."""
 
     tokens: int  # mixed token bucket
     decode: tuple[Sequence, ...]
     pieces: tuple[Piece, ...]
     # Prefix caching: (from slot, to slot, n): copy K/V positions [0, n) before the step runs, in this order.
     copies: tuple[tuple[int, int, int], ...] = ()
+    # Speculative decoding: the draft tokens of each row of `decode` (() for none at all: a plain mixed step).
+    # The step then runs the verify graph of its bucket, which returns the logits at the drafts too.
+    drafts: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def num_drafts(self) -> int:
+        return sum(len(d) for d in self.drafts)
 
     @property
     def seqs(self) -> tuple[Sequence, ...]:
@@ -150,7 +177,7 @@ class MixedStep:
 
     @property
     def padding_tokens(self) -> int:
-        return self.tokens - len(self.decode) - self.prompt_tokens
+        return self.tokens - len(self.decode) - self.num_drafts - self.prompt_tokens
 
 
 Step = PrefillStep | ChunkStep | DecodeStep | MixedStep

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from buckets.defaults import DEFAULT_MIN_LENGTH, MIXED_TOKEN_BUDGET, default_kv_lengths
+from buckets.defaults import DEFAULT_MIN_LENGTH, MIN_VERIFY_TOKENS, MIXED_TOKEN_BUDGET, default_kv_lengths
 from buckets.errors import BatchTooLargeError, BucketError, PromptTooLongError
 from buckets.graph_key import GraphKey, Phase
 from buckets.sizes import parse_sizes, powers_of_two, smallest_at_least, validate_sizes
@@ -39,7 +39,9 @@ class BucketTable:
     graph returns the logits of `max_batch` rows (a row per slot at most samples in one step). With rows
     decoding a step carries up to `mixed_budget` tokens (the largest token bucket up to `max_step_tokens`); without,
     up to `solo_budget` (the largest bucket), and with them too where the scheduler's `waiting_served_ratio` says
-    the waiting outnumber them."""
+    the waiting outnumber them. With `draft_rows` (speculative decoding; 0 = off), each mixed token bucket up to
+    the mixed budget also has a verify graph, which returns `draft_rows` more logit rows: those of the draft
+    tokens that the step's decoding rows carry after their last token."""
 
     lengths: tuple[int, ...]
     batch_sizes: tuple[int, ...] = (1,)
@@ -49,6 +51,7 @@ class BucketTable:
     chunked_prefill: bool = False
     mixed_tokens: tuple[int, ...] = ()
     max_step_tokens: int = 0  # 0: the chunk length (MIXED_TOKEN_BUDGET without chunking)
+    draft_rows: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", tuple(self.lengths))
@@ -92,6 +95,10 @@ class BucketTable:
                     f"{self.max_batch} (every decoding row plus a prompt token), and the largest mixed token "
                     f"bucket {self.mixed_tokens[-1]} fit the context {self.context_length}"
                 )
+        if isinstance(self.draft_rows, bool) or not isinstance(self.draft_rows, int) or self.draft_rows < 0 or (
+                self.draft_rows and self.max_batch + self.draft_rows > self.mixed_budget):
+            raise BucketError(f"draft_rows must be an integer >= 0 (0: no speculative decoding) and, with every "
+                              f"decoding row, fit the mixed token budget {self.mixed_budget}: got {self.draft_rows!r}")
         if self.chunked_prefill and self.context_length % self.max_length:
             raise BucketError(
                 f"chunked prefill needs the context length {self.context_length} to be a multiple of the chunk "
@@ -142,6 +149,26 @@ class BucketTable:
         bucket. Above the mixed budget, a long prompt at an idle server takes fewer, larger steps (each step
         reads the weights once; matmuls of 1024 rows run faster per row than four of 256)."""
         return self.mixed_tokens[-1] if self.mixed_tokens else 0
+
+    @property
+    def verify_tokens(self) -> tuple[int, ...]:
+        """Token buckets of verify graphs (GraphKey("verify", verify_rows, tokens)): the mixed token buckets a step
+        with decoding rows may take, and below the smallest, powers of two from MIN_VERIFY_TOKENS (a few rows and
+        their drafts)."""
+        if not self.draft_rows:
+            return ()
+        small = powers_of_two(MIN_VERIFY_TOKENS, self.mixed_tokens[0] // 2) if self.mixed_tokens[0] > MIN_VERIFY_TOKENS \
+            else ()
+        return small + tuple(n for n in self.mixed_tokens if n <= self.mixed_budget)
+
+    def verify_for(self, tokens: int) -> int:
+        """Smallest verify token bucket holding `tokens` tokens."""
+        return smallest_at_least(self.verify_tokens, tokens)
+
+    @property
+    def verify_rows(self) -> int:
+        """Logit rows of a verify graph: a row per slot, then one per draft token."""
+        return self.max_batch + self.draft_rows
 
     def mixed_for(self, tokens: int) -> int:
         """Smallest mixed token bucket holding `tokens` tokens."""
@@ -202,12 +229,14 @@ class BucketTable:
                 yield GraphKey("prefill", p, length)
         for tokens in self.mixed_tokens:
             yield GraphKey("mixed", self.max_batch, tokens)
+        for tokens in self.verify_tokens:
+            yield GraphKey("verify", self.verify_rows, tokens)
 
     @property
     def num_graphs(self) -> int:
         return (len(self.batch_sizes) * len(self.kv_lengths) + len(self.chunk_kv_lengths)
                 + len(self.sample_batch_sizes) + len(self.lengths) * len(self.prefill_batch_sizes)
-                + len(self.mixed_tokens))
+                + len(self.mixed_tokens) + len(self.verify_tokens))
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -246,12 +275,13 @@ class BucketTable:
             "chunked_prefill": self.chunked_prefill,
             "mixed_tokens": list(self.mixed_tokens),
             "max_step_tokens": self.max_step_tokens,
+            "draft_rows": self.draft_rows,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> BucketTable:
         unknown = set(data) - {"lengths", "batch_sizes", "prefill_batch_sizes", "context_length", "kv_lengths",
-                              "chunked_prefill", "mixed_tokens", "max_step_tokens"}
+                              "chunked_prefill", "mixed_tokens", "max_step_tokens", "draft_rows"}
         if unknown:
             raise BucketError(f"unknown bucket fields: {sorted(unknown)}")
         if "lengths" not in data:
@@ -263,11 +293,13 @@ class BucketTable:
                 raise BucketError(f"{name} must be a list of integers, got {value!r}")
             return tuple(value)
 
-        context, step = data.get("context_length", 0), data.get("max_step_tokens", 0)
+        context, step, drafts = data.get("context_length", 0), data.get("max_step_tokens", 0), data.get("draft_rows", 0)
         if not isinstance(context, int):
             raise BucketError(f"context_length must be an integer, got {context!r}")
         if not isinstance(step, int):
             raise BucketError(f"max_step_tokens must be an integer, got {step!r}")
+        if not isinstance(drafts, int):
+            raise BucketError(f"draft_rows must be an integer, got {drafts!r}")
         return cls(
             lengths=ints("lengths", ()),
             batch_sizes=ints("batch_sizes", (1,)),
@@ -277,6 +309,7 @@ class BucketTable:
             chunked_prefill=bool(data.get("chunked_prefill", False)),
             mixed_tokens=ints("mixed_tokens", ()),
             max_step_tokens=step,
+            draft_rows=drafts,
         )
 
     def save(self, path: str | Path) -> None:

@@ -91,14 +91,15 @@ class ModelRunner:
             (p, n): self.storage.prefill_cache(p, n) for p in table.prefill_batch_sizes for n in table.lengths
         }
         self._chunk_caches = {kv: self.storage.chunk_cache(kv) for kv in table.chunk_kv_lengths}
-        self._mixed_caches = {t: self.storage.mixed_cache(t) for t in table.mixed_tokens}
+        self._mixed_caches = {t: self.storage.mixed_cache(t) for t in {*table.mixed_tokens, *table.verify_tokens}}
         self.sample_inputs = {rows: SampleInputs.allocate(rows, self.device) for rows in table.sample_batch_sizes}
         self.vocab_size = vocab_size(model)
         kinds, window = self.storage.layer_types, sliding_window(model.config)
         zero = zeroes_free_rows(model.config)
         fns: dict[str, Callable[..., Any]] = {
             "prefill": prefill_step, "decode": make_decode_step(self.dtype, kinds, window, zero),
-            "chunk": make_chunk_step(self.dtype, kinds, window), "mixed": make_mixed_step(zero), "sample": sample_step,
+            "chunk": make_chunk_step(self.dtype, kinds, window), "mixed": make_mixed_step(zero),
+            "verify": make_mixed_step(zero), "sample": sample_step,
         }
         self.graphs = GraphSet(model, compile_settings, self.accountant, len(self.keys), fns)
         self._warming = False
@@ -151,8 +152,8 @@ class ModelRunner:
             elif key.phase == "chunk":
                 # Slot 0 from position c: what the warm-up's dummy writes there, no request reads.
                 self._run_chunk(key.length, 0, self.table.chunk_length, [0])
-            elif key.phase == "mixed":
-                self._run_mixed(key.length, [0], [0], [0], [0])
+            elif key.phase in ("mixed", "verify"):
+                self._run_mixed(key.length, [0], [0], [0], [0], key.batch)
             else:
                 self._run_prefill(key.batch, key.length, [PrefillRow(0, [0])] * key.batch, commit=False)
             self.warmed.add((key.phase, key.batch, key.length))
@@ -190,13 +191,14 @@ class ModelRunner:
         Returns logits [1, V] at the last given token."""
         return self._run_chunk(kv, slot, offset, token_ids)
 
-    def mixed(self, tokens: int, ids: list[int], positions: list[int], slots: list[int], keep: list[int]
-              ) -> torch.Tensor:
+    def mixed(self, tokens: int, ids: list[int], positions: list[int], slots: list[int], keep: list[int],
+              rows: int = 0) -> torch.Tensor:
         """A mixed step of token bucket `tokens`: token t (t < len(ids) <= tokens) is ids[t] at positions[t] of
-        slot slots[t] (decoding rows one token each, prompt pieces at consecutive positions of their slot; each
-        token attends over its slot's positions up to its own). Returns logits [max batch, V]: row r is the
-        token keep[r] (r < len(keep)), the other rows are padding."""
-        return self._run_mixed(tokens, ids, positions, slots, keep)
+        slot slots[t] (decoding rows one token or more each, prompt pieces at consecutive positions of their slot;
+        each token attends over its slot's positions up to its own). `rows`: the graph's logit rows (0: the max
+        batch; the table's verify_rows: a verify graph). Returns logits [rows, V]: row r is the token keep[r]
+        (r < len(keep)); the other rows are padding, and keep[r] < 0 marks one inside `keep` too."""
+        return self._run_mixed(tokens, ids, positions, slots, keep, rows or self.table.batch_sizes[-1])
 
     def copy_prefix(self, source: int, target: int, n: int) -> None:
         """Prefix caching: K/V positions [0, n) of slot `source` into slot `target`, before a step that reads them."""
@@ -269,25 +271,28 @@ class ModelRunner:
             self.storage.commit(cache, [r.slot for r in rows], [len(r.token_ids) for r in rows])
         return logits
 
-    def _run_mixed(self, tokens: int, ids: list[int], positions: list[int], slots: list[int], keep: list[int]
-                   ) -> torch.Tensor:
-        rows = self.table.batch_sizes[-1]
-        key = self._check("mixed", rows, tokens)
+    def _run_mixed(self, tokens: int, ids: list[int], positions: list[int], slots: list[int], keep: list[int],
+                   rows: int) -> torch.Tensor:
+        key = self._check("mixed" if rows == self.table.batch_sizes[-1] else "verify", rows, tokens)
         n = len(ids)
         if not 0 < n <= tokens or len(positions) != n or len(slots) != n or len(keep) > rows:
             raise ValueError(f"a mixed step of {n} tokens and {len(keep)} logit rows does not fit {tokens} tokens, "
                              f"{rows} rows")
         if any(not 0 <= p < self.table.context_length for p in positions) or any(
-                not 0 <= s < self.storage.spare_slot for s in slots) or any(not 0 <= k < n for k in keep):
+                not 0 <= s < self.storage.spare_slot for s in slots) or any(not -1 <= k < n for k in keep):
             raise ValueError("a mixed step's position, slot or logit row is out of range")
         pad = tokens - n
+        # A padding logit row reads a padding token where the step has one: its hidden state is zero, and the
+        # CPU kernels skip zero rows of the lm_head's matmul (a verify graph has up to verify_rows of them).
+        blank = n if pad else 0
+        keep = [k if k >= 0 else blank for k in keep]
         # [T] pad tokens: token 0 at position 0 of the spare slot (written there, never read); to the model
         # they come at position -1: their rows are zeroed, and kernels that skip zero rows skip them.
         ids_t = torch.tensor(ids + [0] * pad, dtype=torch.long).view(1, tokens)
         meta = torch.tensor([[s, p] for s, p in zip(slots + [self.storage.spare_slot] * pad, positions + [0] * pad)],
                             dtype=torch.long)
         pos_t = torch.tensor(positions + [-1] * pad, dtype=torch.long)
-        keep_t = torch.tensor(keep + [0] * (rows - len(keep)), dtype=torch.long)
+        keep_t = torch.tensor(keep + [blank] * (rows - len(keep)), dtype=torch.long)
         dev = self.device
         return self._call(key, self._mixed_caches[tokens], ids_t.to(dev), pos_t.view(1, tokens).to(dev),
                           meta.to(dev), keep_t.to(dev))

@@ -1,9 +1,9 @@
-"""How many tokens prompt-lookup (n-gram) speculative decoding would accept per verify step on the `make bench`
-workload: greedy outputs from transformers (bf16, one thread), then, for each request, drafts of k tokens taken
-after the latest earlier match of the last 3..1 tokens of the prompt and output so far, accepted while they equal
-the greedy tokens. An estimate for docs/performance.md (speculative decoding is not built).
+"""How many tokens prompt-lookup (n-gram) speculative decoding accepts per verify step on the `make bench`
+workload: greedy outputs from transformers (bf16, one thread), then, for each request, the server's own drafts
+(buckets/speculation.py: up to k after a 3-token match, one after a shorter one) replayed against them, accepted
+while they equal the greedy tokens. The evidence for the drafting rule in docs/performance.md.
 
-    python scripts/ngram_acceptance.py [--requests 24] [--drafts 2,3,4,6]
+    python scripts/ngram_acceptance.py [--requests 32] [--drafts 2,3,4,6]
 """
 
 from __future__ import annotations
@@ -15,36 +15,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, from any cwd
 
-
-def draft(ctx: list[int], k: int, longest: int = 3) -> list[int]:
-    """The k tokens after the latest earlier occurrence of ctx's last n tokens (n = longest..1), or none."""
-    for n in range(longest, 0, -1):
-        if len(ctx) <= n:
-            continue
-        tail = ctx[-n:]
-        for i in range(len(ctx) - n - 1, -1, -1):
-            if ctx[i : i + n] == tail:
-                return ctx[i + n : i + n + k]
-    return []
+from buckets.speculation import NgramIndex  # noqa: E402
 
 
-def tokens_per_step(prompt: list[int], out: list[int], k: int) -> float:
-    ctx, i, steps = list(prompt), 0, 0
+def replay(prompt: list[int], out: list[int], k: int) -> tuple[int, int, int]:
+    """(verify steps, drafts, accepted drafts) of one request's greedy output under the server's drafting rule."""
+    index, i, steps, drafts, accepted = NgramIndex(prompt), 0, 0, 0, 0
     while i < len(out):
-        d = draft(ctx, k)
+        d = index.propose(min(k, len(out) - i - 1))  # as plan_drafts: never past max_tokens
         ok = 0
-        while ok < len(d) and i + ok < len(out) and d[ok] == out[i + ok]:
+        while ok < len(d) and d[ok] == out[i + ok]:
             ok += 1
-        n = min(ok + 1, len(out) - i)  # the accepted drafts and the verify step's own token
-        ctx += out[i : i + n]
-        i += n
-        steps += 1
-    return len(out) / steps
+        for token in out[i : i + ok + 1]:  # the accepted drafts and the verify step's own token
+            index.append(token)
+        i += ok + 1
+        steps, drafts, accepted = steps + 1, drafts + len(d), accepted + ok
+    return steps, drafts, accepted
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--drafts", default="2,3,4,6")
     args = parser.parse_args()
 
@@ -76,10 +67,12 @@ def main() -> None:
             out = model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
         runs.append((list(p.ids), out[0, ids.shape[1]:].tolist()))
     for k in (int(x) for x in args.drafts.split(",")):
-        per = [tokens_per_step(prompt, out, k) for prompt, out in runs]
-        print(f"{k} drafts: tokens a verify step mean {statistics.mean(per):.2f} median {statistics.median(per):.2f} "
-              f"min {min(per):.2f} max {max(per):.2f}")
-
+        per = [replay(prompt, out, k) for prompt, out in runs]
+        steps, drafts, accepted = (sum(r[i] for r in per) for i in range(3))
+        tokens = sum(len(out) for _, out in runs)
+        print(f"{k} drafts: {tokens / steps:.2f} tokens a verify step (median request "
+              f"{statistics.median(len(o) / r[0] for (_, o), r in zip(runs, per)):.2f}), {drafts / steps:.2f} drafts "
+              f"a step, {accepted / max(drafts, 1):.0%} of drafts accepted")
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,8 @@ def record(step: Any, t0: float, t1: float, active: int) -> dict[str, Any]:
     rec: dict[str, Any] = {"t0": t0, "t1": t1, "kind": type(step).__name__, "rows": len(step.sampling_seqs),
                            "active": active}
     if hasattr(step, "pieces"):  # MixedStep
-        rec.update(tokens=step.tokens, decode=len(step.decode), prompt=sum(p.num_tokens for p in step.pieces))
+        rec.update(tokens=step.tokens, decode=len(step.decode), prompt=sum(p.num_tokens for p in step.pieces),
+                   drafts=step.num_drafts)
     elif hasattr(step, "batch"):  # DecodeStep, PrefillStep
         rec["batch"] = step.batch
     return rec
@@ -77,19 +78,23 @@ def summary(trace: Path, after: float, steps: bool) -> None:
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in recs:
         bucket = r.get("tokens", r.get("batch", ""))
-        groups[f"{r['kind']} {bucket}"].append(r)
-    print(f"{'step':22s} {'count':>5s} {'rows':>6s} {'decode':>6s} {'prompt':>6s} {'ms p50':>7s} {'ms mean':>7s} "
-          f"{'seconds':>7s} {'share':>6s}")
+        kind = "VerifyStep" if r.get("drafts") else r["kind"]  # a mixed step whose rows carry drafts
+        groups[f"{kind} {bucket}"].append(r)
+    print(f"{'step':22s} {'count':>5s} {'rows':>6s} {'decode':>6s} {'drafts':>6s} {'prompt':>6s} {'ms p50':>7s} "
+          f"{'ms mean':>7s} {'seconds':>7s} {'share':>6s}")
     for name, rs in sorted(groups.items(), key=lambda kv: -sum(r["t1"] - r["t0"] for r in kv[1])):
         ms = [(r["t1"] - r["t0"]) * 1e3 for r in rs]
         decode = statistics.mean(r.get("decode", r["rows"]) for r in rs)
         prompt = statistics.mean(r.get("prompt", 0) for r in rs)
-        print(f"{name:22s} {len(rs):5d} {statistics.mean(r['rows'] for r in rs):6.1f} {decode:6.1f} {prompt:6.1f} "
+        drafts = statistics.mean(r.get("drafts", 0) for r in rs)
+        print(f"{name:22s} {len(rs):5d} {statistics.mean(r['rows'] for r in rs):6.1f} {decode:6.1f} {drafts:6.1f} "
+              f"{prompt:6.1f} "
               f"{statistics.median(ms):7.1f} {statistics.mean(ms):7.1f} {sum(ms) / 1e3:7.2f} "
               f"{sum(ms) / 1e3 / span:6.1%}")
     if steps:
         for r in recs:
-            detail = (f"tokens {r['tokens']} decode {r['decode']} prompt {r['prompt']}" if "tokens" in r
+            detail = (f"tokens {r['tokens']} decode {r['decode']} drafts {r.get('drafts', 0)} prompt {r['prompt']}"
+                      if "tokens" in r
                       else f"batch {r.get('batch')} rows {r['rows']}")
             print(f"{r['t0'] - recs[0]['t0']:8.3f} {(r['t1'] - r['t0']) * 1e3:7.1f} ms  active {r['active']:3d}  "
                   f"{r['kind']:11s} {detail}")

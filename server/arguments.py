@@ -75,6 +75,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a finished request's slot keeps its K/V, and a prompt that begins with tokens a slot "
                              "holds (a shared system prompt, a conversation's earlier turns) reuses them instead "
                              "of computing them again (default on; needs mixed steps)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                        help="prompt-lookup (n-gram) speculative decoding: a greedy request carries up to this many "
+                             "draft tokens, copied from where its last tokens occurred earlier in its prompt and "
+                             "output, into a step that checks them; the output is what greedy decoding gives "
+                             "(0: off; needs mixed steps)")
     parser.add_argument("--recompile-policy", default=d.recompile_policy, choices=["error", "allow"])
     parser.add_argument("--batching", default=d.batching, choices=["continuous", "static"],
                         help="static: a batch runs to completion before new requests join (for comparison)")

@@ -51,10 +51,13 @@ def engine_for(settings: ServerSettings, model: EngineModel, hooks: MetricsHooks
     if caching and not (model.table.mixed_tokens and settings.batching == "continuous"):
         log.info("prefix caching is off: it needs mixed steps (continuous batching, --mixed-steps)")
         caching = False
+    if settings.num_speculative_tokens and not model.table.draft_rows:
+        log.info("speculative decoding is off: it needs mixed steps (continuous batching, --mixed-steps)")
     return Engine(model, max_waiting_requests=settings.max_waiting_requests,
                   max_waiting_tokens=settings.max_waiting_tokens, request_timeout=settings.request_timeout,
                   metrics=hooks, batching=settings.batching, log_prompts=settings.log_prompts,
-                  waiting_served_ratio=settings.waiting_served_ratio, prefix_caching=caching)
+                  waiting_served_ratio=settings.waiting_served_ratio, prefix_caching=caching,
+                  speculative_tokens=settings.num_speculative_tokens if model.table.draft_rows else 0)
 
 
 def build_engine(settings: ServerSettings, registry: CollectorRegistry | None = None,

@@ -25,6 +25,8 @@ DEFAULT_MAX_MODEL_LEN = 2048  # tokens a slot holds, where --max-model-len is no
 COMPILE_BACKENDS = ("inductor", "eager", "neuron", "dynamo-eager")
 QUANTIZE_MODES = ("none", "int8")  # as models.compile.QUANTIZE_MODES (this module stays free of torch)
 
+MAX_SPECULATIVE_TOKENS = 8  # more drafts than this are rarely all accepted (scripts/ngram_acceptance.py)
+
 
 # Chunk length of chunked prefill with the default buckets (their largest length bucket). With mixed steps, what
 # a step carries while rows decode is --max-step-tokens instead (buckets/defaults.py, MIXED_STEP_TOKENS).
@@ -78,6 +80,9 @@ class ServerSettings:
     max_step_tokens: int = -1
     # A freed slot keeps its K/V; a prompt that begins with the tokens it holds reuses them (mixed steps only).
     enable_prefix_caching: bool = True
+    # Prompt-lookup (n-gram) speculative decoding: a greedy row carries up to this many draft tokens, taken from
+    # its own prompt and output, into a step that verifies them (mixed steps only); 0: off.
+    num_speculative_tokens: int = 3
     recompile_policy: str = "error"  # error | allow
     batching: str = "continuous"  # continuous | static (run-to-completion batches, for comparison)
     # Persistent compile cache root; a subdirectory per (model, dtype, device, buckets, versions) is used.
@@ -129,6 +134,9 @@ class ServerSettings:
         if self.max_step_tokens < -1:
             raise SettingsError(
                 f"max_step_tokens must be -1 (auto), 0 (the chunk length) or positive, got {self.max_step_tokens}")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise SettingsError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS} (0: off), got "
+                                f"{self.num_speculative_tokens}")
         if self.tensor_parallel_size < 1:
             raise SettingsError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.tp_timeout > 0:
@@ -218,6 +226,7 @@ class ServerSettings:
                 step = self.max_step_tokens
                 step = (table_step or default_step_tokens(table)) if step == -1 else step
                 table = replace(table, max_step_tokens=step)
+                table = replace(table, draft_rows=self.draft_rows(table))
         except BucketError as exc:
             raise SettingsError(f"buckets: {exc}") from exc
         if table.context_length > model_max_length:
@@ -225,6 +234,13 @@ class ServerSettings:
                 f"buckets: context length {table.context_length} exceeds the model's limit of {model_max_length}"
             )
         return table
+
+
+    def draft_rows(self, table: BucketTable) -> int:
+        """Draft tokens one step verifies at most (the verify graphs' extra logit rows): num_speculative_tokens for
+        every slot, within what the mixed budget leaves beside a token per slot (none with no room)."""
+        room = table.mixed_budget - table.max_batch
+        return max(0, min(self.num_speculative_tokens * table.max_batch, room))
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -307,16 +307,17 @@ at::Tensor rms_kernel(const at::Tensor &x, const at::Tensor &weight, double eps)
     return at::mul(weight, normed.to(xc.scalar_type())).to(xc.scalar_type()).contiguous();
 }
 
-// One piece of a mixed step (attention.mixed_plan's Call): tokens [first, last) from `slot`; a prompt piece at
-// consecutive positions from ext[0], or (decoding) one token per slot of consecutive slots, ext[i] = position + 1.
+// One call of a mixed step (attention.mixed_plan's Call): tokens [first, last); a prompt piece of slots[0] at
+// consecutive positions from ext[0], or (decoding) one row a token, row i attending [0, ext[i]) of slot slots[i].
 struct Call {
-    int64_t first, last, slot;
-    std::vector<int64_t> ext;
+    int64_t first, last;
+    std::vector<int64_t> slots, ext;
     bool decoding;
 };
 
 // meta: the (slot, position) pairs of a mixed step's tokens -> its calls, as attention.mixed_plan (padding tokens,
-// slot `spare`, left out).
+// slot `spare`, left out; runs of one slot up to SHORT_RUN tokens go as decoding rows).
+constexpr int64_t SHORT_RUN = 8;
 std::vector<Call> mixed_plan(const int64_t *pairs, int64_t n, int64_t spare) {
     std::vector<Call> calls;
     for (int64_t t = 0; t < n;) {
@@ -325,14 +326,18 @@ std::vector<Call> mixed_plan(const int64_t *pairs, int64_t n, int64_t spare) {
         while (end < n && pairs[2 * end] == slot && pairs[2 * end + 1] == pairs[2 * end - 1] + 1) end++;
         Call *last = calls.empty() ? nullptr : &calls.back();
         if (slot == spare) {
-        } else if (end - t > 1) {
-            calls.push_back(Call{t, end, slot, {pos}, false});
-        } else if (last != nullptr && last->decoding && last->last == t &&
-                   last->slot + static_cast<int64_t>(last->ext.size()) == slot) {
-            last->last = end;
-            last->ext.push_back(pos + 1);
+        } else if (end - t > SHORT_RUN) {
+            calls.push_back(Call{t, end, {slot}, {pos}, false});
         } else {
-            calls.push_back(Call{t, end, slot, {pos + 1}, true});
+            if (last == nullptr || !last->decoding || last->last != t) {
+                calls.push_back(Call{t, t, {}, {}, true});
+                last = &calls.back();
+            }
+            for (int64_t i = 0; i < end - t; i++) {
+                last->slots.push_back(slot);
+                last->ext.push_back(pos + 1 + i);
+            }
+            last->last = end;
         }
         t = end;
     }
@@ -383,20 +388,20 @@ at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at
         for (const Call &c : mixed_plan(meta.data_ptr<int64_t>(), tokens, spare)) {
             const int64_t n = c.last - c.first;
             if (!c.decoding) {
-                ok = c.slot >= 0 && c.slot < spare && c.ext[0] >= 0 && c.ext[0] + n <= capacity &&
-                     piece_fn(q + c.first * qt * es, k + c.slot * key.stride(0) * es, v + c.slot * key.stride(0) * es,
+                const int64_t slot = c.slots[0];
+                ok = slot >= 0 && slot < spare && c.ext[0] >= 0 && c.ext[0] + n <= capacity &&
+                     piece_fn(q + c.first * qt * es, k + slot * key.stride(0) * es, v + slot * key.stride(0) * es,
                               o + c.first * ot * es, n, c.ext[0], heads, kv_heads, dim, qt, qh, ot, oh,
                               key.stride(1), key.stride(2), static_cast<float>(scale), t, tiles && !f32, f32) == 0;
             } else {
-                std::vector<int64_t> slots(n);
-                for (int64_t i = 0; i < n; i++) slots[i] = c.slot + i;
-                ok = c.slot >= 0 && c.slot + n <= spare &&
+                ok = *std::min_element(c.slots.begin(), c.slots.end()) >= 0 &&
+                     *std::max_element(c.slots.begin(), c.slots.end()) < spare &&
                      *std::min_element(c.ext.begin(), c.ext.end()) >= 1 &&
                      *std::max_element(c.ext.begin(), c.ext.end()) <= capacity;
                 if (ok) {
                     std::vector<char> packed(n * heads * dim * es), result(n * heads * dim * es);
                     pack_rows(q, packed.data(), c.first, n, heads, dim, qh, qt, es, false);
-                    ok = decode_fn(packed.data(), k, v, result.data(), slots.data(), c.ext.data(), n, kv_heads,
+                    ok = decode_fn(packed.data(), k, v, result.data(), c.slots.data(), c.ext.data(), n, kv_heads,
                                    heads / kv_heads, dim, key.stride(0), key.stride(1), static_cast<float>(scale), t,
                                    f32) == 0;
                     if (ok) pack_rows(o, result.data(), c.first, n, heads, dim, oh, ot, es, true);

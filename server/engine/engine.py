@@ -14,6 +14,7 @@ import time
 import uuid
 
 from buckets.scheduler import WAITING_SERVED_RATIO, ChunkStep, MixedStep, PrefillStep, Scheduler, Sequence, Step
+from buckets.speculation import NgramIndex
 from models.mesh import MeshError
 from models.runner import WarmupCancelled
 from models.sampling import SampledToken, SamplingParams
@@ -32,6 +33,7 @@ from server.engine.interface import (
 )
 from server.engine.model import CacheMissingError, EngineModel
 from server.engine.request_book import RequestBook
+from server.engine.step_sampling import verify_drafts
 from server.metrics.hooks import MetricsHooks, SafeHooks
 
 __all__ = ["Engine"]  # its errors and events: server/engine/interface.py
@@ -43,7 +45,7 @@ class Engine:
     def __init__(self, model: EngineModel, *, max_waiting_requests: int = 64, max_waiting_tokens: int = 65536,
                  request_timeout: float = 0.0, metrics: MetricsHooks | None = None, batching: str = "continuous",
                  log_prompts: bool = False, waiting_served_ratio: float = WAITING_SERVED_RATIO,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, speculative_tokens: int = 0) -> None:
         self.model = model
         self.table = model.table
         self.tokenizer = model.tokenizer
@@ -53,7 +55,8 @@ class Engine:
         self.metrics = SafeHooks(metrics)
         self.request_timeout = request_timeout
         self._scheduler = Scheduler(self.table, max_waiting_requests, max_waiting_tokens, batching,
-                                    waiting_served_ratio=waiting_served_ratio, prefix_caching=prefix_caching)
+                                    waiting_served_ratio=waiting_served_ratio, prefix_caching=prefix_caching,
+                                    speculative_tokens=speculative_tokens)
         self._book = RequestBook(self._scheduler, self.metrics, request_timeout, self.table.max_batch,
                                  self.tokenizer if log_prompts else None)
         # The book's lock, its condition and its requests: admission and each step's delivery hold them here too.
@@ -162,7 +165,8 @@ class Engine:
                 raise ValueError(f"request ids {request_ids!r} are already in use")
             seqs = [Sequence(rid, len(prompt_ids), p.max_tokens,
                              frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids),
-                             prompt_ids=tuple(prompt_ids) if self._scheduler.prefix_caching else ())
+                             prompt_ids=tuple(prompt_ids) if self._scheduler.prefix_caching else (),
+                             ngrams=NgramIndex(prompt_ids) if self._speculates(p) else None)
                     for prompt_ids, p, rid in zip(prompts, params, request_ids, strict=True)]
             samplers = [self.model.sampler(p, prompt_ids) for prompt_ids, p in zip(prompts, params)]
             try:
@@ -178,6 +182,13 @@ class Engine:
                 handles.append(handle)
             self._wake.notify_all()
         return handles
+
+    def _speculates(self, params: SamplingParams) -> bool:
+        """Whether a request's rows carry drafts: speculative decoding is on and its tokens are each row's maximum
+        (greedy, no penalties), so a draft is accepted exactly where greedy decoding would produce it; and no
+        logprobs (a verify step's drafts leave only their ids)."""
+        return bool(self._scheduler.speculative_tokens) and params.is_greedy and not params.has_penalties \
+            and params.logprobs is None
 
     def abort(self, request_id: str, reason: str = "client", message: str | None = None) -> None:
         """Thread-safe; frees the slot before the next step. The stream ends with finish_reason 'abort'."""
@@ -275,6 +286,7 @@ class Engine:
             owners = [self._active.get(seq.request_id) for seq in step.sampling_seqs]
         # Sampling runs outside the lock: each sampler belongs to its request and to this thread alone.
         tokens = self.model.sample(step.sampling_seqs, [a.sampler if a else None for a in owners], logits)
+        verified = verify_drafts(step, tokens, logits) if isinstance(step, MixedStep) else {}
         sampled: dict[str, SampledToken] = {}
         for seq, token in zip(step.sampling_seqs, tokens):
             if isinstance(token, Exception):  # one request's failure is that request's alone
@@ -282,20 +294,32 @@ class Engine:
             elif token is not None:
                 sampled[seq.request_id] = token
         now = time.monotonic()
-        out: list[tuple[ActiveRequest, TokenEvent]] = []
+        out: list[tuple[ActiveRequest, list[TokenEvent]]] = []
         with self._lock:
             live = {rid: tok for rid, tok in sampled.items() if rid in self._active}
-            finished = {s.request_id: s.finish_reason for s in
-                        self._scheduler.update(step, {rid: tok.token_id for rid, tok in live.items()})}
-            for rid, tok in live.items():
-                reason = finished.get(rid)
+            before = {seq.request_id: seq.num_generated for seq in step.sampling_seqs}
+            finished = {s.request_id: s.finish_reason for s in self._scheduler.update(
+                step, {rid: verified[rid].tokens if rid in verified else tok.token_id for rid, tok in live.items()})}
+            for seq in step.sampling_seqs:
+                tok = live.get(seq.request_id)
+                if tok is None:
+                    continue
+                rid, reason = seq.request_id, finished.get(seq.request_id)
                 active = self._active.pop(rid) if reason is not None else self._active[rid]
                 if reason is not None:
                     self._book.hold(active, reason)
-                out.append((active, TokenEvent(tok.token_id, tok.logprob, tok.top_logprobs, reason)))
-        deliver_step([(active.handle, [event]) for active, event in out])
-        for active, event in out:
-            self._book.account_token(active, now, event.finish_reason)
+                if rid in verified:  # a verify step's row: the tokens update() took (none after a stop)
+                    check = verified[rid]
+                    ids = check.tokens[: seq.num_generated - before[rid]]
+                    self.metrics.speculated(check.drafts, len(check.tokens) - 1)
+                    out.append((active, [TokenEvent(t, None, (), reason if i == len(ids) - 1 else None)
+                                         for i, t in enumerate(ids)]))
+                else:
+                    out.append((active, [TokenEvent(tok.token_id, tok.logprob, tok.top_logprobs, reason)]))
+        deliver_step([(active.handle, events) for active, events in out])
+        for active, events in out:
+            for event in events:
+                self._book.account_token(active, now, event.finish_reason)
         self._book.publish_load()
 
 

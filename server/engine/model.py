@@ -223,20 +223,35 @@ class EngineModel:
         assert self.runner is not None
         for source, target, n in step.copies:  # prefix caching: reused K/V, before the step reads it
             self.runner.copy_prefix(source, target, n)
-        ids = [seq.last_token for seq in step.decode]
-        positions = [seq.position for seq in step.decode]
-        slots = [seq.slot for seq in step.decode]
-        keep = list(range(len(ids)))
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        keep: list[int] = []
+        extra: list[int] = []  # a verify step's draft tokens, whose logits follow the max batch's rows
+        for i, seq in enumerate(step.decode):
+            drafts = step.drafts[i] if step.drafts else ()
+            keep.append(len(ids))
+            extra += range(len(ids) + 1, len(ids) + 1 + len(drafts))
+            ids += (seq.last_token, *drafts)
+            positions += range(seq.position, seq.position + 1 + len(drafts))
+            slots += [seq.slot] * (1 + len(drafts))
         for piece in step.pieces:
             ids += prompt_of(piece.seq.request_id)[piece.offset : piece.offset + piece.num_tokens]
             positions += range(piece.offset, piece.offset + piece.num_tokens)
             slots += [piece.seq.slot] * piece.num_tokens
             if piece.is_final:
                 keep.append(len(ids) - 1)
-        logits = self.runner.mixed(step.tokens, ids, positions, slots, keep)
-        self.metrics.mixed_done(GraphKey("mixed", self.table.max_batch, step.tokens), len(step.decode),
+        rows = self.table.verify_rows if step.drafts else self.table.max_batch
+        sampled = len(keep)
+        if step.drafts:
+            keep += [-1] * (self.table.max_batch - sampled) + extra
+        logits = self.runner.mixed(step.tokens, ids, positions, slots, keep, rows)
+        self.metrics.mixed_done(GraphKey("verify" if step.drafts else "mixed", rows, step.tokens), len(step.decode),
                                 step.padding_tokens, time.perf_counter() - t0)
-        return StepLogits(logits, list(range(len(keep))))
+        if step.drafts:  # [max batch, V] to sample from (the sampling graph's rows), [drafts, V] to verify
+            b = self.table.max_batch
+            return StepLogits(logits[:b], list(range(sampled)), logits[b : b + len(extra)])
+        return StepLogits(logits, list(range(sampled)))
 
     def sample(self, seqs: tuple[Sequence, ...], samplers: list[Sampler | None], out: StepLogits
                ) -> list[SampledToken | Exception | None]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from buckets.scheduler import Sequence
+from buckets.scheduler import MixedStep, Sequence
+from buckets.speculation import accepted
 from models.runner import ModelRunner
 from models.sampling import SampledToken, Sampler
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 class StepLogits:
     logits: torch.Tensor  # [R, V] on the device, R the step's row bucket
     rows: list[int]  # row of logits for each sampling sequence of the step, in order
+    drafts: torch.Tensor | None = None  # a verify step: [D, V] at each draft token (the decoding rows' drafts, in order)
 
 
 def _needs_host(sampler: Sampler) -> bool:
@@ -87,3 +89,26 @@ def sample_step(runner: ModelRunner, seqs: tuple[Sequence, ...], samplers: list[
         except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
             results[i] = exc
     return results
+
+
+@dataclass(frozen=True)
+class Verified:
+    tokens: list[int]  # what the row yields: its first token, then one per accepted draft
+    drafts: int  # drafts it carried
+
+
+def verify_drafts(step: MixedStep, tokens: list[SampledToken | Exception | None], out: StepLogits
+                  ) -> dict[str, Verified]:
+    """A verify step: the tokens each decoding row with drafts yields (its sampled first token, then the greedy
+    tokens at the drafts the previous one confirmed), by request id. Only greedy rows carry drafts."""
+    if out.drafts is None or not step.drafts:
+        return {}
+    predicted = greedy_ids(out.drafts)  # [D]: the prediction at each draft token, rows in decode order
+    result: dict[str, Verified] = {}
+    at = 0
+    for seq, drafts, first in zip(step.decode, step.drafts, tokens):  # sampling rows begin with the decode rows
+        if drafts and isinstance(first, SampledToken):
+            result[seq.request_id] = Verified(accepted(first.token_id, drafts, predicted[at : at + len(drafts)]),
+                                              len(drafts))
+        at += len(drafts)
+    return result

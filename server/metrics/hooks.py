@@ -46,6 +46,7 @@ class MetricsHooks(Protocol):
     def set_load(self, running: int, waiting: int, slots_free: int) -> None: ...
     def request_aborted(self, reason: str) -> None: ...
     def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None: ...
+    def speculated(self, draft_tokens: int, accepted_tokens: int) -> None: ...
 
     # -- HTTP layer (event loop) -------------------------------------------------------------
     def request_admitted(self, bucket: int, prompt_tokens: int) -> None: ...
@@ -122,6 +123,9 @@ class NoMetrics:
         return None
 
     def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        return None
+
+    def speculated(self, draft_tokens: int, accepted_tokens: int) -> None:
         return None
 
     def request_admitted(self, bucket: int, prompt_tokens: int) -> None:
@@ -274,6 +278,12 @@ class SafeHooks:
             self._hooks.prefix_cache(prompt_tokens, cached_tokens)
         except Exception:  # noqa: BLE001 - see the module docstring
             self._failed_once("prefix_cache")
+
+    def speculated(self, draft_tokens: int, accepted_tokens: int) -> None:
+        try:
+            self._hooks.speculated(draft_tokens, accepted_tokens)
+        except Exception:  # noqa: BLE001 - see the module docstring
+            self._failed_once("speculated")
 
     def request_admitted(self, bucket: int, prompt_tokens: int) -> None:
         try:

@@ -68,7 +68,7 @@ class Metrics(CompileSeries):
         graph_keys = list(table.graph_keys())
         self._prefill_keys = frozenset(k for k in graph_keys if k.phase == "prefill")
         self._chunk_keys = frozenset(k for k in graph_keys if k.phase == "chunk")
-        self._mixed_keys = frozenset(k for k in graph_keys if k.phase == "mixed")
+        self._mixed_keys = frozenset(k for k in graph_keys if k.phase in ("mixed", "verify"))
         self._batch_sizes = frozenset(table.batch_sizes)
 
         self._init_compile_series(registry, table, config, world_size, counter, gauge, histogram)
@@ -84,6 +84,11 @@ class Metrics(CompileSeries):
                                        "prefix caching is on (each looked up in the slots).")
         self._prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens whose K/V a slot already held "
                                     "(a free slot, or a running request's; not computed again).")
+        # vLLM's pair (spec_decode_num_draft_tokens / _num_accepted_tokens): accepted / drafts is the acceptance rate.
+        self._drafts = counter("spec_decode_num_draft_tokens_total", "Draft tokens verify steps checked "
+                               "(speculative decoding).")
+        self._accepted = counter("spec_decode_num_accepted_tokens_total", "Draft tokens verify steps accepted "
+                                 "(each a token that cost no step of its own).")
         padding = counter("padding_tokens_total", "Pad tokens computed, by phase.", ("phase",))
         self._padding_prefill = padding.labels("prefill")
         self._padding_decode = padding.labels("decode")
@@ -242,6 +247,12 @@ class Metrics(CompileSeries):
         check_count("cached_tokens", cached_tokens, 0, prompt_tokens - 1)
         self._prefix_queries.inc(prompt_tokens)
         self._prefix_hits.inc(cached_tokens)
+
+    def speculated(self, draft_tokens: int, accepted_tokens: int) -> None:
+        check_count("draft_tokens", draft_tokens, 1)
+        check_count("accepted_tokens", accepted_tokens, 0, draft_tokens)
+        self._drafts.inc(draft_tokens)
+        self._accepted.inc(accepted_tokens)
 
     # -- HTTP layer ---------------------------------------------------------------------------------
     def request_admitted(self, bucket: int, prompt_tokens: int) -> None:

@@ -30,6 +30,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bucketserve_requests_over_limit_total": ("counter", ()),
     "bucketserve_prefix_cache_queries_total": ("counter", ()),
     "bucketserve_prefix_cache_hits_total": ("counter", ()),
+    "bucketserve_spec_decode_num_draft_tokens_total": ("counter", ()),
+    "bucketserve_spec_decode_num_accepted_tokens_total": ("counter", ()),
     "bucketserve_batch_occupancy": ("histogram", ()),
     "bucketserve_prompt_length": ("histogram", ()),
     # latency

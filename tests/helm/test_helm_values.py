@@ -37,7 +37,7 @@ EVERY_SETTING_CHANGED: dict[str, Any] = {
     "numThreads": 3, "protectMetrics": True,
     "maxBodyBytes": 2_000_000, "requestTimeout": 12.5, "drainTimeout": 7.25, "logFormat": "json",
     "logPrompts": True, "lengthsFile": "/models/lengths.jsonl", "modelCacheDir": "/models/cache",
-    "tensorParallelSize": 2, "tpTimeout": 30.5, "waitingServedRatio": 1.5, "maxStepTokens": 64,
+    "tensorParallelSize": 2, "tpTimeout": 30.5, "waitingServedRatio": 1.5, "maxStepTokens": 64, "numSpeculativeTokens": 2,
 }
 
 BAD_VALUES: dict[str, dict[str, Any]] = {
@@ -55,6 +55,7 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
     "zero tp timeout": {"server": {"tpTimeout": 0}},
     "negative waiting-served ratio": {"server": {"waitingServedRatio": -1}},
     "max step tokens below -1": {"server": {"maxStepTokens": -2}},
+    "speculative tokens above 8": {"server": {"numSpeculativeTokens": 9}},
     "gpu resource": {"neuron": {"resourceName": "nvidia.com/gpu"}},
     "cpu autoscaling": {"autoscaling": {"mode": "cpu"}},
     "zero probe period": {"probes": {"startup": {"periodSeconds": 0}}},

@@ -33,14 +33,14 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def test_mixed_plan_groups_pieces_and_decoding_rows() -> None:
-    # slots 0, 1 decode (positions 9, 3), slot 3 decodes (position 5), slot 2 a piece at 4..6, two pads (slot 9)
-    meta = torch.tensor([[0, 9], [1, 3], [3, 5], [2, 4], [2, 5], [2, 6], [9, 0], [9, 0]])
+    # slots 0, 1 decode (positions 9, 3), slot 3 decodes (position 5), slot 2 a piece at 4..12, two pads (slot 9)
+    meta = torch.tensor([[0, 9], [1, 3], [3, 5]] + [[2, p] for p in range(4, 13)] + [[9, 0], [9, 0]])
     plan = mixed_plan(meta.numpy().tobytes(), 9)
-    assert plan == ((0, 2, 0, (10, 4), True), (2, 3, 3, (6,), True), (3, 6, 2, (4,), False))
-    # a piece in slot 0 right after decoding rows, and a one-token piece joining the decoding run before it
-    meta = torch.tensor([[1, 4], [2, 0], [0, 0], [0, 1], [3, 3]])
-    assert mixed_plan(meta.numpy().tobytes(), 9) == ((0, 2, 1, (5, 1), True), (2, 4, 0, (0,), False),
-                                                     (4, 5, 3, (4,), True))
+    assert plan == ((0, 3, (0, 1, 3), (10, 4, 6), True), (3, 12, (2,), (4,), False))
+    # a short run (a verify step's row: its last token at 4, drafts at 5, 6) joins the decoding rows as one row a
+    # token, each seeing its slot up to its own position; so does a short prompt piece (slot 0 at 0, 1)
+    meta = torch.tensor([[1, 4], [1, 5], [1, 6], [2, 0], [0, 0], [0, 1], [3, 3]])
+    assert mixed_plan(meta.numpy().tobytes(), 9) == ((0, 7, (1, 1, 1, 2, 0, 0, 3), (5, 6, 7, 1, 1, 2, 4), True),)
 
 
 def test_greedy_tokens_match_generate_when_every_step_is_mixed(mixed) -> None:

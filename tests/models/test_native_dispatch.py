@@ -286,6 +286,7 @@ def test_mixed_attention_gives_the_python_kernels_bits(installed: None, dtype: t
         "piece then rows": [*((4, p) for p in range(0, 17)), (0, 90), (1, 5), (3, 60)],
         "two pieces": [*((0, p) for p in range(3)), (2, 10), *((1, p) for p in range(30, 62))],
         "padding only": [(5, 0)] * 4,
+        "verify rows": [*((2, p) for p in range(20, 24)), (0, 7), *((1, p) for p in range(40, 43)), (3, 11), (3, 12)],
     }
     for name, pairs in steps.items():
         meta = _meta(pairs)

@@ -60,7 +60,8 @@ def build_tiny_checkpoint(path: str | Path, *, arch: str = "llama", vocab_words:
 TINY_TABLE = BucketTable(lengths=(8, 16, 32, 64), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2),
                          context_length=128, kv_lengths=(32, 128))
 # What a server with tiny_settings() builds: the CPU default adds mixed steps over the length buckets.
-TINY_SERVED_TABLE = replace(TINY_TABLE, mixed_tokens=default_mixed_tokens(TINY_TABLE))
+_MIXED = replace(TINY_TABLE, mixed_tokens=default_mixed_tokens(TINY_TABLE))
+TINY_SERVED_TABLE = replace(_MIXED, draft_rows=ServerSettings().draft_rows(_MIXED))  # and speculative decoding's
 
 
 def tiny_settings(**overrides: Any) -> ServerSettings:

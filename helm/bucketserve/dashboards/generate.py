@@ -167,6 +167,10 @@ def shapes() -> list[Panel]:
             target(f"{rate_sum('bucketserve_prefix_cache_hits_total')} / "
                    f"{rate_sum('bucketserve_prefix_cache_queries_total')}", "hits / queries"),
         ], "percentunit", "share of started prompts' tokens whose K/V a slot already held (not computed again)"),
+        timeseries("Speculative decoding acceptance", [
+            target(f"{rate_sum('bucketserve_spec_decode_num_accepted_tokens_total')} / "
+                   f"{rate_sum('bucketserve_spec_decode_num_draft_tokens_total')}", "accepted / drafts"),
+        ], "percentunit", "share of n-gram draft tokens that verify steps accepted (each one a step saved)"),
     ]
 
 

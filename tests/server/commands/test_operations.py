@@ -136,12 +136,15 @@ def test_second_process_loads_every_graph_from_the_cache(tiny_llama: str, tmp_pa
                          capture_output=True, text=True, timeout=900)
     assert pre.returncode == 0, pre.stderr[-3000:]
     manifest = json.loads(pre.stdout[pre.stdout.index("{"):])
-    # sample, decode, prefill, mixed (prompt tokens riding in decode steps; 32: a solo step, nothing decoding)
-    assert sorted(g["bucket"] for g in manifest["graphs"]) == ["b1", "b1_kv32", "b1_l16", "t16", "t32"]
+    # sample, decode, prefill, mixed (prompt tokens riding in decode steps; 32: a solo step, nothing decoding),
+    # verify (speculative decoding's mixed steps, and 8 tokens for a row and its drafts)
+    assert sorted((g["graph"], g["bucket"]) for g in manifest["graphs"]) == [
+        ("decode", "b1_kv32"), ("mixed", "t16"), ("mixed", "t32"), ("prefill", "b1_l16"), ("sample", "b1"),
+        ("verify", "t16"), ("verify", "t32"), ("verify", "t8")]
     server = ServerProcess(tiny_llama, *flags, "--require-cached-graphs", log_path=tmp_path / "server.log")
     try:
         server.wait_ready()
-        assert server.metric("bucketserve_compile_cache_hits_total") == 5
+        assert server.metric("bucketserve_compile_cache_hits_total") == 8
         assert server.metric("bucketserve_compile_cache_misses_total") == 0
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 3})
         assert r.status_code == 200
@@ -149,7 +152,7 @@ def test_second_process_loads_every_graph_from_the_cache(tiny_llama: str, tmp_pa
     finally:
         assert server.stop() == 0
     log = (tmp_path / "server.log").read_text()
-    assert "(from cache)" in log and "5 of 5 graphs loaded from the cache" in log
+    assert "(from cache)" in log and "8 of 8 graphs loaded from the cache" in log
 
 
 def test_require_cached_graphs_refuses_readiness_when_the_cache_is_cold(tiny_llama: str, tmp_path: Path) -> None:

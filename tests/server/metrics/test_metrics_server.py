@@ -37,7 +37,8 @@ SCRIPT: list[tuple[str, dict[str, Any]]] = [
 ]
 OVER_LIMIT = (CMPL, {"prompt": words(TINY_TABLE.max_length + 1), "max_tokens": 1})
 SMALL_TABLE = BucketTable(lengths=(8, 16), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=32,
-                          mixed_tokens=(8, 16, 32))  # the CPU default: the length buckets, then a solo bucket
+                          mixed_tokens=(8, 16, 32),  # the CPU default: the length buckets, then a solo bucket
+                          draft_rows=3)  # and speculative decoding's: 3 drafts for the one slot
 UNWARMED = GraphKey("prefill", 1, 16)
 
 

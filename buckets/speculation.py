@@ -1,0 +1,78 @@
+"""Prompt-lookup (n-gram) speculative decoding, the pure part: which draft tokens a decoding row carries into a
+step, and which of them the step's own greedy tokens confirm. Pure Python; the engine runs the verify step and
+the scheduler (buckets/scheduler.py) asks `plan_drafts` for each step's drafts.
+
+A draft is the k tokens that followed the latest earlier occurrence of the row's last n tokens (n = 3, 2, 1:
+the longest that occurred before; one token after a match shorter than 3), in its prompt and output so far
+(vLLM's `ngram` method, prompt lookup decoding). The step computes the row's last token and its drafts at their
+positions, and greedy decoding keeps draft i while it equals the token the step predicted before it: a greedy
+row's output is the one it would have decoded token by token, and a step gives it 1 + (accepted drafts) tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from buckets.steps import Sequence
+
+NGRAM_LONGEST = 3
+NGRAM_SHORTEST = 1
+# Drafts after a match shorter than NGRAM_LONGEST: on `make bench`'s prompts (scripts/ngram_acceptance.py, greedy
+# bf16), a draft after a 3-token match was accepted 69-86% of the time, after a 1- or 2-token match 15-34%; a draft
+# costs ~0.6 ms of a 16-row step (~44 ms), and an accepted one saves ~2.75 ms. So a short match proposes one.
+SHORT_MATCH_DRAFTS = 1
+
+
+class NgramIndex:
+    """A row's tokens (prompt, then output) and, for each n-gram of up to NGRAM_LONGEST tokens, where the token
+    after its latest occurrence sits. Built lazily, on the engine thread: the first `propose` indexes the prompt
+    (a dict entry per token and n), every later one only the tokens appended since."""
+
+    def __init__(self, prompt: tuple[int, ...] | list[int]) -> None:
+        self.tokens: list[int] = list(prompt)
+        self._next: dict[tuple[int, ...], int] = {}
+        self._indexed = 1  # tokens[j] for j < _indexed have been recorded as the successor of what precedes them
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def propose(self, k: int) -> tuple[int, ...]:
+        """Up to k draft tokens (fewer near the end of the match, none without one)."""
+        tokens, table = self.tokens, self._next
+        for j in range(self._indexed, len(tokens)):
+            for n in range(NGRAM_SHORTEST, min(NGRAM_LONGEST, j) + 1):
+                table[tuple(tokens[j - n : j])] = j
+        self._indexed = max(self._indexed, len(tokens))
+        if k <= 0:
+            return ()
+        for n in range(min(NGRAM_LONGEST, len(tokens)), NGRAM_SHORTEST - 1, -1):
+            at = table.get(tuple(tokens[-n:]))
+            if at is not None:
+                return tuple(tokens[at : at + (k if n == NGRAM_LONGEST else min(k, SHORT_MATCH_DRAFTS))])
+        return ()
+
+
+def plan_drafts(decode: tuple[Sequence, ...], k: int, room: int, context_length: int
+                ) -> tuple[tuple[int, ...], ...]:
+    """Drafts for each decoding row of a step (slot order), `room` draft tokens in all at most: up to k for a row
+    that speculates (its `ngrams`), never past its max_tokens (a verify step yields up to drafts + 1 tokens) nor
+    past the context's last position. () when no row has one."""
+    drafts: list[tuple[int, ...]] = []
+    for seq in decode:
+        m = min(k, room, seq.max_tokens - seq.num_generated - 1, context_length - 1 - seq.position)
+        draft = seq.ngrams.propose(m) if seq.ngrams is not None and m > 0 else ()
+        room -= len(draft)
+        drafts.append(draft)
+    return tuple(drafts) if any(drafts) else ()
+
+
+def accepted(first: int, drafts: tuple[int, ...], verified: list[int]) -> list[int]:
+    """The tokens a verify step yields for one greedy row: `first` (its prediction at the row's last token), then
+    verified[i] (its prediction at draft i) for as long as draft i equals the token predicted before it."""
+    out = [first]
+    for draft, token in zip(drafts, verified):
+        if draft != out[-1]:
+            break
+        out.append(token)
+    return out

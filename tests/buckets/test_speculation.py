@@ -1,0 +1,121 @@
+"""Speculative decoding without a model: the n-gram drafts, what a verify step accepts, and how the scheduler
+carries drafts (verify steps, their token buckets, rows that stop or reach their length inside one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from buckets import BucketError, BucketTable, GraphKey
+from buckets.scheduler import DecodeStep, MixedStep, Scheduler, Sequence
+from buckets.speculation import NgramIndex, accepted, plan_drafts
+
+TABLE = BucketTable(lengths=(8, 16, 32, 64), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1,), context_length=128,
+                    mixed_tokens=(8, 16, 32, 64), draft_rows=8)
+
+
+def test_ngram_drafts_follow_the_latest_longest_match() -> None:
+    index = NgramIndex([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    assert index.propose(2) == (7,)  # "2 3" last occurred before 7 ("5 2 3" never did): a short match, one draft
+    assert index.propose(0) == ()
+    index.append(7)
+    assert index.propose(3) == (8, 5, 2)  # "2 3 7" matches: a full match, k drafts
+    index.append(4)  # "3 7 4", "7 4", "4": never seen
+    assert index.propose(3) == ()
+    assert NgramIndex([1, 2, 3, 1, 2, 3]).propose(5) == (1, 2, 3)  # a draft stops at the end of the tokens
+    assert NgramIndex([5, 6, 5]).propose(4) == (6,)
+    assert NgramIndex([]).propose(2) == () and NgramIndex([3]).propose(2) == ()
+
+
+def test_accepted_stops_at_the_first_wrong_draft() -> None:
+    assert accepted(5, (), []) == [5]
+    assert accepted(5, (5, 6, 7), [6, 7, 8]) == [5, 6, 7, 8]  # every draft right: one more token
+    assert accepted(5, (5, 9, 7), [6, 7, 8]) == [5, 6]
+    assert accepted(5, (4, 6, 7), [6, 7, 8]) == [5]
+
+
+def test_plan_drafts_limits() -> None:
+    rows = [Sequence(f"r{i}", 6, 10, ngrams=NgramIndex([1, 2, 3, 1, 2, 3])) for i in range(3)]
+    for r in rows:
+        r.prefilled, r.position = 6, 6
+    rows[1].ngrams = None  # a row that does not speculate
+    rows[2].num_generated = 8  # two tokens left: one draft
+    assert plan_drafts(tuple(rows), 3, room=8, context_length=128) == ((1, 2, 3), (), (1,))
+    assert plan_drafts(tuple(rows), 3, room=4, context_length=128) == ((1, 2, 3), (), (1,))
+    assert plan_drafts(tuple(rows), 3, room=2, context_length=128) == ((1, 2), (), ())
+    assert plan_drafts(tuple(rows[:1]), 3, room=8, context_length=8) == ((1,),)  # the context's last position
+    assert plan_drafts(tuple(rows[1:2]), 3, room=8, context_length=128) == ()
+
+
+def test_the_table_has_a_verify_graph_per_mixed_bucket() -> None:
+    keys = list(TABLE.graph_keys())
+    assert [k for k in keys if k.phase == "verify"] == [GraphKey("verify", 12, n) for n in (8, 16, 32, 64)]
+    assert TABLE.num_graphs == len(keys)
+    assert BucketTable.from_dict(TABLE.to_dict()) == TABLE
+    assert GraphKey("verify", 12, 16).bucket == "t16"
+    # Below the smallest mixed bucket (the CPU default's 32), small verify buckets for a few rows and their drafts;
+    # above the mixed budget none (a step with decoding rows carries at most that).
+    cpu = BucketTable(lengths=(32, 64, 128, 256), batch_sizes=(1, 4, 16), context_length=512,
+                      mixed_tokens=(32, 64, 128, 256, 512), max_step_tokens=128, draft_rows=48)
+    assert cpu.verify_tokens == (8, 16, 32, 64, 128) and cpu.verify_rows == 64
+    assert (cpu.verify_for(3), cpu.verify_for(9), cpu.verify_for(64)) == (8, 16, 64)
+    for bad in (-1, 61, True):
+        with pytest.raises(BucketError, match="draft_rows"):
+            BucketTable(lengths=(8, 64), batch_sizes=(4,), mixed_tokens=(8, 64), draft_rows=bad)
+    with pytest.raises(BucketError, match="draft_rows"):
+        BucketTable(lengths=(8, 64), batch_sizes=(4,), draft_rows=2)  # no mixed steps
+    with pytest.raises(ValueError, match="verify graphs"):
+        Scheduler(BucketTable(lengths=(8, 64), batch_sizes=(4,), mixed_tokens=(8, 64)), speculative_tokens=2)
+
+
+def speculating(rid: str, prompt: list[int], max_tokens: int = 20, stop: frozenset[int] = frozenset()) -> Sequence:
+    return Sequence(rid, len(prompt), max_tokens, stop, ngrams=NgramIndex(prompt))
+
+
+def test_decoding_rows_with_drafts_take_verify_steps() -> None:
+    s = Scheduler(TABLE, speculative_tokens=3)
+    a, b = speculating("a", [1, 2, 3, 1, 2, 3, 1, 2]), Sequence("b", 5, 20)  # b does not speculate
+    s.add(a)
+    s.update(s.schedule(), {"a": 3})  # type: ignore[arg-type]
+    s.add(b)
+    step = s.schedule()
+    # a's last tokens "2 3" occurred before "1 2 3": drafts (1, 2, 3) beside b's prompt: 4 + 5 tokens -> bucket 16
+    assert isinstance(step, MixedStep) and step.drafts == ((1, 2, 3),) and step.pieces[0].num_tokens == 5
+    assert step.tokens == 16 and step.padding_tokens == 7 and step.num_drafts == 3
+    s.update(step, {"a": [1, 2, 3, 1], "b": 50})  # every draft accepted, and the token after them
+    assert (a.num_generated, a.position, a.last_token) == (5, 12, 1)
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and step.drafts == ((2, 3, 1), ()) and not step.pieces  # a verify step
+    assert step.tokens == 8 and step.padding_tokens == 3  # a's 4 tokens and b's one
+    s.update(step, {"a": [2, 9], "b": 51})  # one draft accepted, then a token of its own
+    assert (a.num_generated, a.position, a.last_token) == (7, 14, 9)
+    assert (b.num_generated, b.position) == (2, 6)
+    assert a.ngrams is not None and a.ngrams.tokens[-4:] == [3, 1, 2, 9]
+    assert isinstance(s.schedule(), DecodeStep)  # "2 9", "9": never seen before: no drafts, a plain decode step
+
+
+def test_a_stop_or_the_length_inside_a_verify_step_ends_the_row_there() -> None:
+    s = Scheduler(TABLE, speculative_tokens=3)
+    a = speculating("a", [1, 2, 3, 1, 2, 3, 1, 2], stop=frozenset({7}))
+    c = speculating("c", [4, 5, 4, 5, 4, 5, 4, 5], max_tokens=3)
+    s.add(a)
+    s.update(s.schedule(), {"a": 3})  # type: ignore[arg-type]
+    s.add(c)
+    s.update(s.schedule(), {"a": [1], "c": 4})  # type: ignore[arg-type]  # a's drafts all wrong: one token
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and step.drafts == ((2, 3, 1), (5,))  # c: 2 tokens left, 1 draft
+    finished = s.update(step, {"a": [2, 7, 1, 2], "c": [5, 4]})
+    assert finished == [a, c]
+    assert (a.finish_reason, a.num_generated, a.last_token) == ("stop", 4, 7)  # the tokens after the stop: dropped
+    assert (c.finish_reason, c.num_generated) == ("length", 3)
+    assert s.running == {}
+
+
+def test_prompts_get_what_the_drafts_leave_of_the_budget() -> None:
+    s = Scheduler(TABLE, speculative_tokens=3)
+    a = speculating("a", [1, 2, 3, 1, 2, 3, 1, 2])
+    s.add(a)
+    s.update(s.schedule(), {"a": 3})  # type: ignore[arg-type]
+    s.add(Sequence("long", 62, 4))
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and step.drafts == ((1, 2, 3),)
+    assert step.tokens == 64 and step.pieces[0].num_tokens == 60  # 4 tokens for a, the rest for the prompt
