@@ -221,7 +221,7 @@ class ServerSettings:
         mixed = (table.mixed_tokens or default_mixed_tokens(table)) if self.wants_mixed_steps and mixed_ok else ()
         table_step = table.max_step_tokens
         try:
-            table = replace(table, mixed_tokens=mixed, max_step_tokens=0)
+            table = replace(table, mixed_tokens=mixed, max_step_tokens=0, draft_rows=0)  # a file's: set below
             if mixed:  # a file's own step limit wins over auto, as its token buckets do
                 step = self.max_step_tokens
                 step = (table_step or default_step_tokens(table)) if step == -1 else step

@@ -311,15 +311,14 @@ class Engine:
                 if rid in verified:  # a verify step's row: the tokens update() took (none after a stop)
                     check = verified[rid]
                     ids = check.tokens[: seq.num_generated - before[rid]]
-                    self.metrics.speculated(check.drafts, len(check.tokens) - 1)
+                    self.metrics.speculated(check.drafts, len(ids) - 1)  # the accepted drafts it delivers
                     out.append((active, [TokenEvent(t, None, (), reason if i == len(ids) - 1 else None)
                                          for i, t in enumerate(ids)]))
                 else:
                     out.append((active, [TokenEvent(tok.token_id, tok.logprob, tok.top_logprobs, reason)]))
         deliver_step([(active.handle, events) for active, events in out])
-        for active, events in out:
-            for event in events:
-                self._book.account_token(active, now, event.finish_reason)
+        for active, events in out:  # one delivery a step (vLLM observes one inter-token gap per step too)
+            self._book.account_token(active, now, events[-1].finish_reason)
         self._book.publish_load()
 
 

@@ -124,11 +124,15 @@ def test_mixed_tokens_of_a_buckets_file_apply_only_where_mixed_steps_run(tmp_pat
     from buckets import BucketTable
 
     path = tmp_path / "buckets.json"
-    BucketTable(lengths=(64, 128), batch_sizes=(1, 4), context_length=512, mixed_tokens=(64, 128)).save(path)
-    assert ServerSettings(buckets_file=str(path)).bucket_table(4096).mixed_tokens == (64, 128)
+    # a served table saved as it was (precompile's manifest, verify's report): with speculative decoding's rows
+    BucketTable(lengths=(64, 128), batch_sizes=(1, 4), context_length=512, mixed_tokens=(64, 128),
+                draft_rows=12).save(path)
+    table = ServerSettings(buckets_file=str(path)).bucket_table(4096)
+    assert table.mixed_tokens == (64, 128) and table.draft_rows == 12  # the settings' 3 a slot
+    assert ServerSettings(buckets_file=str(path), num_speculative_tokens=0).bucket_table(4096).draft_rows == 0
     for off in (dict(mixed_steps=False), dict(batching="static"), dict(device="cuda"), dict(tensor_parallel_size=2)):
         table = ServerSettings(buckets_file=str(path), **off).bucket_table(4096)  # type: ignore[arg-type]
-        assert table.mixed_tokens == (), off
+        assert table.mixed_tokens == () and table.draft_rows == 0, off
 
 
 def test_mixed_budget_is_capped_without_chunking() -> None:

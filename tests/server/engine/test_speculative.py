@@ -21,9 +21,15 @@ class Drafts(NoMetrics):
         self.drafts = self.accepted = 0
         self.keys: set[str] = set()
 
+        self.finished: list[tuple[int, int]] = []  # (output tokens, inter-token gaps) of each finished request
+
     def speculated(self, draft_tokens: int, accepted_tokens: int) -> None:
         self.drafts += draft_tokens
         self.accepted += accepted_tokens
+
+    def request_finished(self, bucket: int, seconds: float, output_tokens: int, inter_token: list[float],
+                         finish_reason: str) -> None:
+        self.finished.append((output_tokens, len(inter_token)))
 
     def mixed_done(self, key, decode_rows: int, padding_tokens: int, seconds: float) -> None:
         self.keys.add(key.phase)
@@ -64,6 +70,8 @@ def test_greedy_rows_with_drafts_give_the_reference_tokens(tmp_path, reference_m
     assert reasons == ["length"] * 6 and lengths[4] == 12
     assert hooks.drafts > 0 and 0 < hooks.accepted <= hooks.drafts
     assert "verify" in hooks.keys
+    # one inter-token gap a delivery (a step), as vLLM counts: the accepted drafts arrive with their step
+    assert sum(n - 1 - gaps for n, gaps in hooks.finished) == hooks.accepted
 
 
 def test_a_stop_inside_the_accepted_drafts_ends_the_row_there(tmp_path, reference_model) -> None:
