@@ -104,7 +104,8 @@ class Metrics(CompileSeries):
         ttft = histogram("time_to_first_token_seconds", "Time to first token.", config.ttft_buckets, ("bucket",))
         self._ttft = {n: ttft.labels(str(n)) for n in lengths}
         self._itl = histogram(
-            "inter_token_latency_seconds", "Time between consecutive output token deliveries (one a step).", config.inter_token_buckets
+            "inter_token_latency_seconds", "Time between consecutive output token deliveries (one a step).",
+            config.inter_token_buckets
         )
         duration = histogram(
             "request_duration_seconds", "Arrival to last token.", config.request_duration_buckets, ("bucket",)
