@@ -19,7 +19,9 @@ Mixed steps (CPU) call `bucketserve::mixed_attention`: their tokens come from se
 the "mask" the graph passes is the step's [1, 1, T, 2] long tensor of (slot, position) per token. Runs of
 more than SHORT_RUN tokens of one slot at consecutive positions are prompt pieces (causal over the slot up to
 each position); every other token is a decoding row that sees its slot up to its own position, and consecutive
-rows are attended as one decode batch (a verify step's drafts too); padding tokens (the spare slot) get zeros.
+rows are attended as one decode batch; padding tokens (the spare slot) get zeros. Where bf16 runs on AMX tiles,
+runs of 2..SHORT_RUN tokens (a verify step's row and its drafts) are pieces too, which the piece kernel hands to
+models/csrc/run_attention.c: the run's tokens read their slot's K/V once, together.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models import native_dispatch
+from models import native_dispatch, native_library
 from models.native import ATTENTION_DTYPES, decode_attention, decode_attention_masked, mask_extents, piece_attention
 
 ATTENTION = "bucketserve_sdpa"
@@ -141,16 +143,18 @@ class Call(NamedTuple):
     decoding: bool
 
 
-# A run of one slot's tokens at consecutive positions up to this long goes as decoding rows, one a token: measured
-# with SmolLM2's bf16 shapes, a verify step of 16 rows of 4 tokens at position 300 spent 33 ms in 16 piece calls a
-# layer, ~3x what the same tokens cost as 64 decoding rows (the piece kernel's tiles are made for long pieces).
+# A run of one slot's tokens at consecutive positions up to this long goes as decoding rows, one a token, unless the
+# run kernel takes it (`runs`): measured with SmolLM2's bf16 shapes, a verify step of 16 rows of 4 tokens at position
+# 300 spent 33 ms in 16 piece calls a layer, ~3x what the same tokens cost as 64 decoding rows (the piece kernel's
+# tiles are made for long pieces); run_attention.c takes such a run in 27.5 us a layer against ~50 as decoding rows.
 SHORT_RUN = 8
 
 
 @functools.lru_cache(maxsize=256)
-def mixed_plan(meta: bytes, spare: int) -> tuple[Call, ...]:
+def mixed_plan(meta: bytes, spare: int, runs: bool = False) -> tuple[Call, ...]:
     """meta: the (slot, position) int64 pairs of a mixed step's tokens -> its calls (once per step: the 30 layers
-    ask with the same bytes). Padding tokens (slot `spare`) are left out. models/csrc/dispatch.cpp plans alike."""
+    ask with the same bytes). Padding tokens (slot `spare`) are left out. `runs`: runs of 2..SHORT_RUN tokens are
+    pieces (where the run kernel takes them). models/csrc/dispatch.cpp plans alike."""
     pairs = np.frombuffer(meta, dtype=np.int64).reshape(-1, 2).tolist()
     calls: list[Call] = []
     t, n = 0, len(pairs)
@@ -162,7 +166,7 @@ def mixed_plan(meta: bytes, spare: int) -> tuple[Call, ...]:
         last = calls[-1] if calls else None
         if slot == spare:
             pass
-        elif end - t > SHORT_RUN:
+        elif end - t > (1 if runs else SHORT_RUN):
             calls.append(Call(t, end, (slot,), (pos,), False))
         else:
             rows, extents = (slot,) * (end - t), tuple(range(pos + 1, pos + 1 + end - t))
@@ -206,7 +210,9 @@ def _mixed_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     heads, dim, kv_heads = query.shape[1], query.shape[3], key.shape[1]
     out = torch.zeros_like(query)
     q, o = query[0], out[0]  # [H, T, D]
-    for first, last, slots, ext, decoding in mixed_plan(meta.numpy().tobytes(), key.shape[0] - 1):
+    # the piece kernel's tiles, which hand short runs to run_attention.c
+    runs = query.dtype == torch.bfloat16 and native_library.available() and native_library.has("amx")
+    for first, last, slots, ext, decoding in mixed_plan(meta.numpy().tobytes(), key.shape[0] - 1, runs):
         if not decoding:  # a prompt piece: causal over its slot, offset by its first position
             s0, p0, n = slots[0], ext[0], last - first
             if piece_attention(q[:, first:last], key[s0], value[s0], o[:, first:last], p0, scale):

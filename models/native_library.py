@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
            _CSRC / "piece_attention.c", _CSRC / "linear.c", _CSRC / "rms_norm.c",
-           _CSRC / "tiled_matmul.c")
-HEADERS = (_CSRC / "vec16.h", _CSRC / "piece_products.h", _CSRC / "amx_tiles.h")
+           _CSRC / "tiled_matmul.c", _CSRC / "run_attention.c")
+HEADERS = (_CSRC / "vec16.h", _CSRC / "piece_products.h", _CSRC / "attention_common.h", _CSRC / "amx_tiles.h")
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 _LOCK = threading.Lock()

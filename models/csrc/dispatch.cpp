@@ -42,6 +42,10 @@ using RmsFn = int (*)(const void *x, const void *weight, void *out, int64_t rows
 using PieceFn = int (*)(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start, int64_t heads,
                         int64_t kv_heads, int64_t dim, int64_t qt, int64_t qh, int64_t ot, int64_t oh, int64_t kvh,
                         int64_t kvp, float scale, int threads, int tiles, int f32);
+using RunFn = int (*)(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start, int64_t heads,
+                      int64_t kv_heads, int64_t dim, int64_t qt, int64_t qh, int64_t ot, int64_t oh, int64_t kvh,
+                      int64_t kvp, float scale, int threads, const void *next_k, const void *next_v, int64_t next_rows,
+                      int warm);
 using DecodeFn = int (*)(const void *q, const void *k, const void *v, void *out, const int64_t *slots,
                          const int64_t *ext, int64_t rows, int64_t heads, int64_t groups, int64_t dim, int64_t s_slot,
                          int64_t s_head, float scale, int threads, int f32);
@@ -74,6 +78,7 @@ GatedFn gated_fn = nullptr;
 MaskedFn masked_fn = nullptr;
 RmsFn rms_fn = nullptr;
 PieceFn piece_fn = nullptr;
+RunFn run_fn = nullptr;
 DecodeFn decode_fn = nullptr;
 bool tiles = false;  // the process may use AMX tiles (native_library.has("amx")): bf16 prompt pieces take them
 bool parallel = false;  // the kernels were built with OpenMP
@@ -316,9 +321,12 @@ struct Call {
 };
 
 // meta: the (slot, position) pairs of a mixed step's tokens -> its calls, as attention.mixed_plan (padding tokens,
-// slot `spare`, left out; runs of one slot up to SHORT_RUN tokens go as decoding rows).
+// slot `spare`, left out; runs of one slot up to SHORT_RUN tokens go as decoding rows). `runs`: runs of 2..SHORT_RUN
+// tokens (a verify step's row and its drafts) go as pieces too, which piece_attention.c hands to run_attention.c
+// (bf16 on AMX tiles: the run's tokens read the slot's K/V together; a 4-token run at 300 positions 27.5 us for
+// the layer against ~50 as four decoding rows).
 constexpr int64_t SHORT_RUN = 8;
-std::vector<Call> mixed_plan(const int64_t *pairs, int64_t n, int64_t spare) {
+std::vector<Call> mixed_plan(const int64_t *pairs, int64_t n, int64_t spare, bool runs) {
     std::vector<Call> calls;
     for (int64_t t = 0; t < n;) {
         const int64_t slot = pairs[2 * t], pos = pairs[2 * t + 1];
@@ -326,7 +334,7 @@ std::vector<Call> mixed_plan(const int64_t *pairs, int64_t n, int64_t spare) {
         while (end < n && pairs[2 * end] == slot && pairs[2 * end + 1] == pairs[2 * end - 1] + 1) end++;
         Call *last = calls.empty() ? nullptr : &calls.back();
         if (slot == spare) {
-        } else if (end - t > SHORT_RUN) {
+        } else if (end - t > (runs ? 1 : SHORT_RUN)) {
             calls.push_back(Call{t, end, {slot}, {pos}, false});
         } else {
             if (last == nullptr || !last->decoding || last->last != t) {
@@ -385,9 +393,25 @@ at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at
              *v = static_cast<char *>(value.data_ptr());
         const int64_t qh = query.stride(1), qt = query.stride(2), oh = out.stride(1), ot = out.stride(2);
         bool ok = true;
-        for (const Call &c : mixed_plan(meta.data_ptr<int64_t>(), tokens, spare)) {
+        const bool runs = tiles && !f32 && run_fn != nullptr;
+        const std::vector<Call> calls = mixed_plan(meta.data_ptr<int64_t>(), tokens, spare, runs);
+        const auto is_run = [&](size_t i) {  // a short run of one slot (run_attention.c), its slot checked
+            const Call &c = calls[i];
+            return runs && !c.decoding && c.last - c.first <= SHORT_RUN && c.slots[0] >= 0 && c.slots[0] < spare &&
+                   c.ext[0] >= 0 && c.ext[0] + c.last - c.first <= capacity;
+        };
+        for (size_t i = 0; i < calls.size() && ok; i++) {
+            const Call &c = calls[i];
             const int64_t n = c.last - c.first;
-            if (!c.decoding) {
+            if (is_run(i)) {  // the next run's slot is prefetched during this one's last head
+                const Call *next = i + 1 < calls.size() && is_run(i + 1) ? &calls[i + 1] : nullptr;
+                const int64_t slot = c.slots[0], ns = next ? next->slots[0] : 0;
+                ok = run_fn(q + c.first * qt * es, k + slot * key.stride(0) * es, v + slot * key.stride(0) * es,
+                            o + c.first * ot * es, n, c.ext[0], heads, kv_heads, dim, qt, qh, ot, oh, key.stride(1),
+                            key.stride(2), static_cast<float>(scale), t, next ? k + ns * key.stride(0) * es : nullptr,
+                            next ? v + ns * key.stride(0) * es : nullptr, next ? next->ext[0] + next->last - next->first : 0,
+                            i > 0 && is_run(i - 1)) == 0;
+            } else if (!c.decoding) {
                 const int64_t slot = c.slots[0];
                 ok = slot >= 0 && slot < spare && c.ext[0] >= 0 && c.ext[0] + n <= capacity &&
                      piece_fn(q + c.first * qt * es, k + slot * key.stride(0) * es, v + slot * key.stride(0) * es,
@@ -407,7 +431,6 @@ at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at
                     if (ok) pack_rows(o, result.data(), c.first, n, heads, dim, oh, ot, es, true);
                 }
             }
-            if (!ok) break;
         }
         if (ok) return out;
     }
@@ -445,16 +468,18 @@ at::Tensor causal_kernel(const at::Tensor &query, const at::Tensor &key, const a
     return call_general(general, {query, key, value, scale});
 }
 
-// The kernels' entries (models/csrc/linear.c, decode_attention.c, rms_norm.c, piece_attention.c; by address), how they
-// were built, whether the process may use AMX tiles, and where the switch lives.
+// The kernels' entries (models/csrc/linear.c, decode_attention.c, rms_norm.c, piece_attention.c, run_attention.c; by
+// address), how they were built, whether the process may use AMX tiles, and where the switch lives.
 void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, int64_t rms_address,
-          int64_t piece_address, int64_t decode_address, bool openmp, bool amx, int64_t switch_address) {
+          int64_t piece_address, int64_t decode_address, int64_t run_address, bool openmp, bool amx,
+          int64_t switch_address) {
     linear_fn = reinterpret_cast<LinearFn>(linear_address);
     gated_fn = reinterpret_cast<GatedFn>(gated_address);
     masked_fn = reinterpret_cast<MaskedFn>(attention_address);
     rms_fn = reinterpret_cast<RmsFn>(rms_address);
     piece_fn = reinterpret_cast<PieceFn>(piece_address);
     decode_fn = reinterpret_cast<DecodeFn>(decode_address);
+    run_fn = reinterpret_cast<RunFn>(run_address);
     tiles = amx;
     parallel = openmp;
     switched_on = reinterpret_cast<const volatile int *>(switch_address);
@@ -496,8 +521,8 @@ void install() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(bucketserve_dispatch, m) {
-    m.def("bind(int linear, int gated, int attention, int rms, int piece, int decode, bool openmp, bool amx, "
-          "int switch) -> ()",
+    m.def("bind(int linear, int gated, int attention, int rms, int piece, int decode, int run, bool openmp, "
+          "bool amx, int switch) -> ()",
           &bind);
     m.def("remember(int address, int n, int k, ScalarType dtype, Tensor onednn, int one_kind, int one_weight, "
           "int one_scales, int few_kind, int few_weight, int few_scales, int few_max) -> ()",

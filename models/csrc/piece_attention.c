@@ -35,19 +35,16 @@
 
 #define MAX_D 256
 
-/* 2^t for t <= 0 (scores minus their row max, in base 2): 2^round(t) (scalef: exact, 0 below the fp32 range) times
- * 2^f, |f| <= 1/2, by its degree-5 Taylor polynomial (relative error < 3e-6; P is rounded to bf16 after). */
-static inline __m512 exp2_le0(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+#include "piece_products.h"
+
+/* Pieces of up to this many tokens take run_attention.c where the tiles are on: its tile products take the few
+ * tokens' query heads of a KV head together and read K in place, where this kernel packs the slot's K for 16-token
+ * blocks of one query head (a 4-token piece at 300 positions: 27.5 against 63.4 us). */
+#define RUN_MAX_TOKENS 8
+int bucketserve_run_attention(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start,
+                              int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh, int64_t ot, int64_t oh,
+                              int64_t kvh, int64_t kvp, float scale, int threads, const void *next_k,
+                              const void *next_v, int64_t next_rows, int warm);
 
 /* K [L, D] of one KV head -> kt: per block of 16 positions and 32 dims, a B tile [16 rows, 16 positions x 2]:
  * kt[(b * D/32 + d) * 512 + r * 32 + c * 2 + i] = K[16b + c, 32d + 2r + i]; positions >= L are zeros. */
@@ -132,8 +129,6 @@ static void softmax_rows(const float *s, void *p, float *inv, int64_t rows, int6
     }
 }
 
-#include "piece_products.h"
-
 /* One query head, tokens [t0, t0 + 16) of the piece (rows past n are zeros and not written); q, out: the head's
  * first token; k, v: its KV head (fp32: V read in place); kt, vv: that head's packed K (and bf16 V). Scratch: s
  * [16, Lp] fp32, p [16, Lp] and qb [16, D] of the element type. tiles: AMX products (bf16), else vector ones. */
@@ -169,20 +164,6 @@ static void block(const void *q, int64_t qt, const void *v, int64_t ps, const vo
     output_vec(p, vv, (uint16_t *)out + t0 * ot, ot, rows, D, L32, inv);
 }
 
-/* Scratch buffer `i` of the calling thread, at least `bytes` long (64-byte aligned; kept between calls: a fresh
- * allocation of this size is a fresh mmap each call, and its page faults cost more than the work). */
-static void *scratch(int i, size_t bytes) {
-    static __thread void *buf[5];
-    static __thread size_t size[5];
-    if (size[i] < bytes) {
-        free(buf[i]);
-        bytes = (bytes + 4095) / 4096 * 4096;
-        buf[i] = aligned_alloc(64, bytes);
-        size[i] = buf[i] ? bytes : 0;
-    }
-    return buf[i];
-}
-
 /* q, k, v, out: bf16 (uint16 bits), or fp32 (f32), strides in elements. tiles (bf16 only): the AMX products (the
  * caller checked that this process may use the tiles), else vector dot products. Returns 0, or -1 when the shapes
  * do not fit or the build has no tiles where asked (the caller then uses SDPA). */
@@ -191,6 +172,10 @@ int bucketserve_piece_attention(const void *q, const void *k, const void *v, voi
                                 int64_t kvh, int64_t kvp, float scale, int threads, int tiles, int f32) {
     if (n < 1 || start < 0 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > MAX_D || kvp < D || kvp % 2) return -1;
     if (tiles && (f32 || !HAVE_TILES)) return -1;
+    if (tiles && n <= RUN_MAX_TOKENS &&
+        bucketserve_run_attention(q, k, v, out, n, start, H, Hkv, D, qt, qh, ot, oh, kvh, kvp, scale, threads, NULL,
+                                  NULL, 0, 0) == 0)
+        return 0;
     const int64_t L = start + n, Lp = (L + 31) / 32 * 32, G = H / Hkv, qblocks = (n + 15) / 16, es = f32 ? 4 : 2;
     void *kt = scratch(0, (size_t)(Hkv * Lp * D * es));
     uint16_t *vv = f32 ? NULL : scratch(1, (size_t)(Hkv * Lp * D * 2)); /* fp32 reads V in place */

@@ -10,37 +10,8 @@
 
 #include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_TILES 1
-#else
-#define HAVE_TILES 0
-#endif
-
-#if HAVE_TILES
-#include "amx_tiles.h"
-
-/* Every tile 16 rows of 64 bytes: tmm0-3 fp32 accumulators, tmm4 an A tile (Q or P), tmm5-7 B tiles (K or V). */
-static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
-    }
-    _tile_loadconfig(&c);
-}
-#endif
-
-/* out row (t0 + r), dims [d0, d0 + 16 * nd): the fp32 sums acc[c] (16 dims each) times inv, rounded to bf16. */
-static inline void store_row(uint16_t *o, const __m512 *acc, int64_t nd, float inv) {
-    const __m512 w = _mm512_set1_ps(inv);
-    for (int64_t c = 0; c < nd; c += 2)
-        _mm512_storeu_si512(o + c * 16, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(acc[c + 1], w),
-                                                                     _mm512_mul_ps(acc[c], w)));
-}
+#include "attention_common.h"
 
 /* Step 1 with vector dot products: S [16, L16] = Q K^T, a block of 16 positions at a time in 16 accumulators (one
  * a query row); each packed K vector (one dim pair of the 16 positions) is loaded once for the 16 rows. */

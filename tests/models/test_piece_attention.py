@@ -42,7 +42,10 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sc
 
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 96)])
-@pytest.mark.parametrize(("start", "n"), [(0, 1), (0, 40), (5, 16), (17, 33), (100, 3), (64, 64)])
+# pieces of up to 8 tokens on the tiles are run_attention.c's: (0, 1), (100, 3), (15, 5) (a 16-position tile's
+# edge), (60, 4) (one whole 64-position chunk), (150, 8) (three chunks; 24-32 query rows of a KV head: two blocks)
+@pytest.mark.parametrize(("start", "n"), [(0, 1), (0, 40), (5, 16), (17, 33), (100, 3), (64, 64), (15, 5), (60, 4),
+                                          (150, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.usefixtures("threads")  # 1 and 2 compute threads
 def test_kernel_equals_float32_causal_attention(heads: int, kv_heads: int, dim: int, start: int, n: int,
@@ -148,6 +151,7 @@ def test_causal_prefill_attention_takes_the_kernel(piece_calls: list[bool]) -> N
     fp32, ops = routed(query=q, key=k, value=v, attention_mask=None, scaling=dim ** -0.5)
     assert ops == 1
     torch.testing.assert_close(fp32, want, rtol=1e-5, atol=1e-5)
+    piece_calls.clear()  # the op above reached the Python kernel only where no test installed the C++ ones yet
     assert _causal_attention_cpu(q, k, v, dim ** -0.5).shape == q.shape and piece_calls == [True, True]  # per row
     ours, ops = routed(query=q.bfloat16(), key=k.bfloat16(), value=v.bfloat16(), attention_mask=None,
                        scaling=dim ** -0.5)
@@ -178,3 +182,26 @@ def test_a_bf16_llama_gives_the_same_logits_with_the_kernel() -> None:
     assert names.count("bucketserve::causal_attention") == 2  # both layers
     assert "aten::scaled_dot_product_attention" not in names  # the kernel ran (whichever kernel serves the op)
     torch.testing.assert_close(ours, stock, rtol=0.05, atol=0.05 * float(stock.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.skipif(not native_matmul.amx_available(), reason="runs take run_attention.c on AMX tiles only")
+def test_verify_step_runs_equal_float32_attention() -> None:
+    """A verify step's tokens through the C++ op: rows with their drafts (runs of 2-5 tokens of a slot, which go to
+    run_attention.c, each prefetching the next run's slot), single rows, a prompt piece and padding. Every token
+    equals float32 attention over its slot up to its own position, to bf16 rounding."""
+    from models.native_dispatch import install
+
+    assert install()
+    torch.manual_seed(6)
+    kv, groups, dim, context, slots = 3, 3, 64, 320, 6  # slot 6: the spare slot
+    k, v = torch.randn(slots + 1, kv, context, dim).bfloat16(), torch.randn(slots + 1, kv, context, dim).bfloat16()
+    pairs = ([(0, p) for p in range(200, 204)] + [(1, 63), (1, 64)] + [(2, 17)] + [(3, p) for p in range(290, 295)]
+             + [(4, 130)] + [(5, p) for p in range(0, 12)] + [(6, 0)] * 3)
+    meta = torch.tensor(pairs, dtype=torch.long).view(1, 1, len(pairs), 2)
+    q = torch.randn(1, len(pairs), kv * groups, dim).bfloat16().transpose(1, 2)  # [1, H, T, D], a view
+    got = torch.ops.bucketserve.mixed_attention(q, k, v, meta, dim ** -0.5)
+    for t, (slot, pos) in enumerate(pairs[:-3]):
+        want = _reference(q[0, :, t : t + 1], k[slot], v[slot], pos, dim ** -0.5)
+        torch.testing.assert_close(got[0, :, t : t + 1].float(), want, rtol=2e-2, atol=2e-2, msg=f"token {t}")
+    assert not got[0, :, -3:].any()
