@@ -87,7 +87,8 @@ def test_gated_silu_gives_the_python_kernels_bits(installed: None, on: bool, mon
     assert torch.equal(torch.ops.bucketserve.gated_silu(*args), _gated_cpu(*args))
 
 
-ROWS_APART = (native_matmul.TILED, native_matmul.TILED_F32, native_matmul.TILED_INT8)  # dispatch.cpp's rows_apart
+ROWS_APART = (native_matmul.AMX, native_matmul.AMX_INT8, native_matmul.TILED, native_matmul.TILED_F32,
+              native_matmul.TILED_INT8)  # dispatch.cpp's rows_apart
 
 
 def _zeroed(x: torch.Tensor, pattern: str) -> torch.Tensor:
@@ -113,7 +114,7 @@ def _zeroed(x: torch.Tensor, pattern: str) -> torch.Tensor:
 def test_zero_rows_skip_the_kernel_and_the_other_rows_keep_their_bits(
         installed: None, dtype: torch.dtype, quantize: str, bias: bool, pattern: str) -> None:
     """The C++ linear and gated MLP run only the rows that are not all zeros where the kernel sums rows apart (the
-    tiled kernels): the zero rows come out as zeros (plus the bias), the others with the bits of the whole call.
+    tiled and AMX kernels): the zero rows come out as zeros (plus the bias), the others with the bits of the whole call.
     Proof that the zero rows did not run: the weight holds an infinity, whose product with a computed zero is NaN."""
     if quantize == "int8" and not native_matmul.int8_kind():
         pytest.skip("int8 copies need AMX or AVX512-BF16")
@@ -123,7 +124,7 @@ def test_zero_rows_skip_the_kernel_and_the_other_rows_keep_their_bits(
         packed = prepack_module.packed_for(layer.weight, torch.empty(rows, k, dtype=dtype))
         kernel = packed.kernel(rows) if packed is not None else None
         if kernel is None or kernel[0] not in ROWS_APART:
-            continue  # AMX, or oneDNN: every row runs, as before
+            continue  # oneDNN or a one-row kernel: every row runs, as before
         x = _zeroed(torch.randn(rows, k, dtype=dtype), pattern)
         zero = (x == 0).all(dim=1)
         got = torch.ops.bucketserve.linear(x, layer.weight, layer.bias)
@@ -147,7 +148,7 @@ def test_zero_rows_skip_the_kernel_and_the_other_rows_keep_their_bits(
     zero = (x == 0).all(dim=1)
     kernel = prepack_module.packed_for(poisoned.weight, x).kernel(16)  # type: ignore[union-attr]
     if kernel is None or kernel[0] not in ROWS_APART:
-        pytest.skip("16 rows do not take a tiled kernel here")
+        pytest.skip("16 rows do not take a tiled or AMX kernel here")
     got = torch.ops.bucketserve.linear(x, poisoned.weight, poisoned.bias)
     expected = poisoned.bias.expand(int(zero.sum()), n) if bias else torch.zeros(int(zero.sum()), n, dtype=dtype)
     assert torch.equal(got[zero], expected)  # computed, column 5 would be NaN (0 * inf)
