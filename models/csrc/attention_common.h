@@ -29,6 +29,37 @@ static void configure(void) {
     }
     _tile_loadconfig(&c);
 }
+
+/* The output accumulators tmm0-3: zeroed, and stored to acc[i] [16, 16] fp32. */
+static inline void acc_zero(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+static inline void acc_store(float acc[4][16][16]) {
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    _tile_stored(2, acc[2], 64);
+    _tile_stored(3, acc[3], 64);
+}
+
+/* One 32-position step of O = P V into the accumulators tmm0-3 (tmm0-1 only when nd <= 2, 32 dims): the A tile of
+ * P at p (rows `ps` bytes apart), the B tiles of V at v + i * vnext (rows `vs` bytes apart). */
+static inline void pv_tiles(const uint16_t *p, int64_t ps, const uint16_t *v, int64_t vs, int64_t vnext, int64_t nd) {
+    _tile_loadd(4, p, ps);
+    _tile_loadd(5, v, vs);
+    _tile_loadd(6, v + vnext, vs);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    if (nd > 2) {
+        _tile_loadd(7, v + 2 * vnext, vs);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, v + 3 * vnext, vs);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+}
 #endif
 
 /* 2^t for t <= 0 (scores minus their row max, in base 2): 2^round(t) (scalef: exact, 0 below the fp32 range) times

@@ -151,28 +151,12 @@ static void output_tiles(const uint16_t *pb, const uint16_t *vv, uint16_t *out, 
     __asm__ volatile("" ::: "memory");
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int64_t nd = D - d0 < 64 ? (D - d0) / 16 : 4;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        acc_zero();
         for (int64_t j = 0; j < L32; j += 32) {
-            const uint16_t *vb = vv + (j / 2) * D * 2 + d0 * 2; /* rows: position pairs, stride D pairs */
-            _tile_loadd(4, pb + j, L32 * 2);
-            _tile_loadd(5, vb, D * 4);
-            _tile_loadd(6, vb + 32, D * 4);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-            if (nd > 2) {
-                _tile_loadd(7, vb + 64, D * 4);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, vb + 96, D * 4);
-                _tile_dpbf16ps(3, 4, 5);
-            }
+            /* rows: position pairs, stride D pairs */
+            pv_tiles(pb + j, L32 * 2, vv + (j / 2) * D * 2 + d0 * 2, D * 4, 32, nd);
         }
-        _tile_stored(0, acc[0], 64);
-        _tile_stored(1, acc[1], 64);
-        _tile_stored(2, acc[2], 64);
-        _tile_stored(3, acc[3], 64);
+        acc_store(acc);
         __asm__ volatile("" ::: "memory");
         for (int64_t r = 0; r < rows; r++) {
             __m512 row[4];

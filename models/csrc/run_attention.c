@@ -78,10 +78,7 @@ static void chunk_scores(const uint16_t *k, int64_t kvp, int64_t p0, int64_t len
     const uint16_t *kb = k + p0 * kvp;
     __asm__ volatile("" ::: "memory"); /* GCC's tile loads do not declare the memory they read (see amx_matmul.c) */
     if (len == CHUNK) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        acc_zero();
         for (int64_t d = 0; d < dblocks; d++) {
             _tile_loadd(5, qtile + d * 256, 64);
             _tile_loadd(4, kb + d * 32, stride);
@@ -191,30 +188,14 @@ static void chunk_output(const uint16_t *pb, const uint16_t *v, int64_t kvp, int
     const __m512i first = _mm512_loadu_si512(order), second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int64_t nd = D - d0 < 64 ? (D - d0) / 16 : 4;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        acc_zero();
         for (int64_t j = 0; j < len; j += 32) {
             pack_v_step(v, kvp, p0 + j, L, d0, nd, bt);
             __asm__ volatile("" ::: "memory");
-            _tile_loadd(4, pb + j, CHUNK * 2);
-            _tile_loadd(5, bt, 64);
-            _tile_loadd(6, bt + 512, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-            if (nd > 2) {
-                _tile_loadd(7, bt + 1024, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, bt + 1536, 64);
-                _tile_dpbf16ps(3, 4, 5);
-            }
+            pv_tiles(pb + j, CHUNK * 2, bt, 64, 512, nd);
             __asm__ volatile("" ::: "memory");
         }
-        _tile_stored(0, acc[0], 64);
-        _tile_stored(1, acc[1], 64);
-        _tile_stored(2, acc[2], 64);
-        _tile_stored(3, acc[3], 64);
+        acc_store(acc);
         __asm__ volatile("" ::: "memory");
         for (int64_t c = 0; c < 16; c++) {
             const __m512 w = _mm512_set1_ps(a[c]);
