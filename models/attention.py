@@ -146,7 +146,8 @@ class Call(NamedTuple):
 # A run of one slot's tokens at consecutive positions up to this long goes as decoding rows, one a token, unless the
 # run kernel takes it (`runs`): measured with SmolLM2's bf16 shapes, a verify step of 16 rows of 4 tokens at position
 # 300 spent 33 ms in 16 piece calls a layer, ~3x what the same tokens cost as 64 decoding rows (the piece kernel's
-# tiles are made for long pieces); run_attention.c takes such a run in 27.5 us a layer against ~50 as decoding rows.
+# tiles are made for long pieces); run_attention.c takes 16 such runs at ~300 positions in 585 us a layer, against
+# 1073 as 64 decoding rows (docs/performance.md).
 SHORT_RUN = 8
 
 
