@@ -23,7 +23,7 @@ import torch
 CANDIDATES = 256  # tokens considered for top-k / top-p in the graph
 TOP_LOGPROBS = 20  # the most a request may ask for (OpenAI's limit)
 MIN_TEMPERATURE = 1e-5
-_PRIME = 2147483647  # 2**31 - 1: every product below stays under 2**63
+_MASK = 0xFFFFFFFF  # hash_uniform mixes 32-bit values
 
 
 @dataclass
@@ -56,14 +56,17 @@ class SampleInputs:
 
 
 def hash_uniform(seed: torch.Tensor, position: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """seed, position: [b, 1] int64; token: [b, V] or [1, V] int64. Uniform floats in (0, 1), [b, V].
-    Integer-only mixing modulo a prime (exact under any backend), a few multiply-xorshift rounds."""
-    h = (seed * 48271 + position * 69621 + 12345) % _PRIME
-    h = (h + token * 16807) % _PRIME
-    for mult, shift in ((48271, 11), (69621, 15), (48271, 7)):
-        h = (h * mult) % _PRIME
-        h = h ^ (h >> shift)
-    u = (h.to(torch.float32) + 0.5) / _PRIME
+    """seed, position: [b, 1] int64 (seed and position < 2**31); token: [b, V] or [1, V] int64. Uniform floats in
+    (0, 1), [b, V]. Integer-only mixing of 32-bit values held in int64 (exact under any backend: a 32-bit value
+    times a 31-bit multiplier stays under 2**63), multiply-xorshift rounds with no division, so it vectorizes:
+    modular mixing (four int64 remainders an element) took 9.5 of the 22 ms the graph took for 16 rows of 49152."""
+    h = ((seed * 0x7FEB352D) & _MASK) ^ ((position * 0x5BD1E995) & _MASK)
+    h = (h + ((token * 0x2C1B3C6D) & _MASK)) & _MASK
+    for mult in (0x7FEB352D, 0x5BD1E995):
+        h = h ^ (h >> 16)
+        h = (h * mult) & _MASK
+    h = h ^ (h >> 15)
+    u = (h.to(torch.float32) + 0.5) / 4294967296.0
     return u.clamp(1e-7, 1.0 - 1e-7)
 
 

@@ -26,7 +26,7 @@ class Sampler:
     host path below (penalties, and rows the graph cannot sample exactly) samples one row at a time with a
     generator of its own. Either way the request's seed alone decides its text, whatever shares the batch."""
 
-    SEED_RANGE = 2**31 - 1  # the sampling graph hashes seeds modulo this prime
+    SEED_RANGE = 2**31 - 1  # the sampling graph hashes seeds below 2**31 (models/sample_graph.py hash_uniform)
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int]) -> None:
         self.params = params

@@ -23,6 +23,20 @@ def test_hash_is_uniform_and_depends_on_every_input() -> None:
     assert not torch.equal(u, hash_uniform(torch.tensor([[7]]), torch.tensor([[4]]), token))
 
 
+def test_hash_fills_every_bin_and_neighbours_are_uncorrelated() -> None:
+    """16 equal bins each hold 1/16 of 49152 tokens' draws (within 4%); the draws of a token at neighbouring
+    positions, or of neighbouring seeds, do not follow each other; large seeds and positions stay in (0, 1)."""
+    token = torch.arange(49152).view(1, -1)
+    u = hash_uniform(torch.tensor([[123456]]), torch.tensor([[77]]), token)
+    counts = torch.bincount((u * 16).long().view(-1), minlength=16).float() / token.numel()
+    assert float((counts - 1 / 16).abs().max()) < 0.04 / 16
+    for other in (hash_uniform(torch.tensor([[123456]]), torch.tensor([[78]]), token),
+                  hash_uniform(torch.tensor([[123457]]), torch.tensor([[77]]), token)):
+        assert abs(float(torch.corrcoef(torch.stack([u.view(-1), other.view(-1)]))[0, 1])) < 0.02
+    top = hash_uniform(torch.tensor([[2**31 - 2]]), torch.tensor([[2**31 - 1]]), token)
+    assert 0 < float(top.min()) and float(top.max()) < 1
+
+
 def test_temperature_sampling_follows_the_softmax() -> None:
     logits = torch.tensor([1.0, 2.0, 0.0, -1.0, 0.5])
     want = torch.softmax(logits, -1)

@@ -33,6 +33,8 @@ def test_greedy_ids_equal_argmax_with_ties_and_nans(dtype: torch.dtype) -> None:
 class _FailingGraph:
     """A runner whose sampling graph fails for the whole batch."""
 
+    table = SimpleNamespace(sample_batch_sizes=(1, 4))
+
     def sample(self, logits: torch.Tensor, rows: object) -> tuple[torch.Tensor, ...]:
         raise RuntimeError("graph failed")
 
@@ -55,3 +57,37 @@ def test_a_failed_sampling_graph_fails_no_row_the_host_can_sample() -> None:
     assert isinstance(out[0], SampledToken) and out[0].token_id == 7
     assert isinstance(out[1], SampledToken) and out[1].token_id == 9 and len(out[1].top_logprobs) == 2
     assert isinstance(out[2], ValueError)
+
+
+class _ArgmaxGraph:
+    """A runner whose sampling graph gives each row's maximum, and records the rows it was given."""
+
+    table = SimpleNamespace(sample_batch_sizes=(1, 4, 8, 16))
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Tensor, list[object]]] = []
+
+    def sample(self, logits: torch.Tensor, rows: list[object]) -> tuple[torch.Tensor, ...]:
+        self.calls.append((logits.clone(), list(rows)))
+        r = logits.shape[0]
+        return (logits.argmax(dim=-1), torch.zeros(r), torch.zeros(r, 20, dtype=torch.long), torch.zeros(r, 20),
+                torch.zeros(r, dtype=torch.bool))
+
+
+def test_the_sampling_graph_gets_only_the_rows_that_need_it() -> None:
+    """A step of 16 rows of logits with two sampled requests runs the graph on those two rows (the 4-row bucket),
+    each with its own parameters; a greedy request of the step takes its row's maximum."""
+    logits = torch.randn(16, 50)
+    for r, t in ((3, 11), (11, 22), (5, 33)):
+        logits[r, t] = 100.0
+    seqs = tuple(cast(Sequence, SimpleNamespace(prompt_len=3, num_generated=i)) for i in range(3))
+    samplers: list[Sampler | None] = [Sampler(SamplingParams(temperature=0.5, seed=1), [1]),
+                                      Sampler(SamplingParams(temperature=0.0), [1]),
+                                      Sampler(SamplingParams(temperature=0.9, top_p=0.5, seed=2), [1])]
+    graph = _ArgmaxGraph()
+    out = sample_step(cast(ModelRunner, graph), seqs, samplers, StepLogits(logits, [3, 5, 11]))
+    assert [o.token_id for o in out if isinstance(o, SampledToken)] == [11, 33, 22]
+    (given, rows), = graph.calls
+    assert given.shape == (4, 50) and torch.equal(given[0], logits[3]) and torch.equal(given[1], logits[11])
+    assert rows[0] == (0.5, 0, 1.0, 0.0, samplers[0].seed, 3) and rows[1] == (0.9, 0, 0.5, 0.0, samplers[2].seed, 5)
+    assert rows[2:] == [None, None]
