@@ -96,7 +96,8 @@ def sample_step(runner: ModelRunner, seqs: tuple[Sequence, ...], samplers: list[
 def _graph_rows(runner: ModelRunner, out: StepLogits, wanted: list[int]) -> tuple[torch.Tensor, list[int]]:
     """The logits the sampling graph runs on and where each wanted row of out.logits sits in them. On the CPU,
     only the wanted rows, gathered into the smallest sampling bucket that holds them (a mixed step's 16 rows of
-    logits cost the graph 10.5 ms, one sampled request's row alone 0.8 ms); pad rows repeat the first. Elsewhere the step's logits as they are: an eager gather there would compile."""
+    logits cost the graph 10.5 ms, one sampled request's row alone 0.8 ms); pad rows repeat the first. Elsewhere
+    the step's logits as they are: an eager gather there would compile."""
     if out.logits.device.type != "cpu":
         return out.logits, wanted
     bucket = min(b for b in runner.table.sample_batch_sizes if b >= len(wanted))
