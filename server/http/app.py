@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("bucketserve.http")
 
 OPEN_PATHS = ("/health", "/ready", "/openapi.json")  # never behind the API key (probes, docs)
+# Not counted in requests_total: scrapes and probes are monitoring, not traffic. Counted, a Prometheus scrape
+# every 15 s and kubelet probes every few seconds would outnumber a quiet server's requests and dilute its error
+# ratio (vLLM's instrumentator leaves out the same handlers).
+UNCOUNTED_ROUTES = frozenset({"/metrics", "/health", "/ready"})
 
 
 def routes() -> list[Route]:
@@ -55,7 +59,7 @@ def routes() -> list[Route]:
 
 
 class HttpMiddleware:
-    """Counts every response by route template and status, enforces API keys when configured, and answers
+    """Counts every response by route template and status (but scrapes and probes), enforces API keys when configured, and answers
     any exception with that request's error response (never a crash, never a plain-text 500)."""
 
     def __init__(self, app: ASGIApp, state: AppState) -> None:
@@ -75,6 +79,8 @@ class HttpMiddleware:
     def _count(self, scope: Scope, status: int) -> None:
         route = scope.get("route")
         path = getattr(route, "path", None) or "/unmatched"
+        if path in UNCOUNTED_ROUTES:
+            return
         self.state.hooks.http_request(path, status)  # guarded: metrics never break a response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

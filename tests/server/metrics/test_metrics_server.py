@@ -165,6 +165,19 @@ def test_info_labels(live: Served, checkpoint: str) -> None:
     assert live.scrape().get("bucketserve_info", **dict(labels)) == 1
 
 
+def test_scrapes_and_probes_are_not_counted_as_requests(live: Served) -> None:
+    """requests_total is traffic: a scrape or a probe leaves it as it was (they would dilute the error ratio the
+    README's alert divides by); any other route, /v1/models here, counts once a response."""
+    before = live.scrape()
+    for path in ("/metrics", "/health", "/ready", "/metrics"):
+        assert httpx.get(live.url + path, timeout=10).status_code == 200
+    assert httpx.get(live.url + "/v1/models", timeout=10).status_code == 200
+    after = live.scrape()
+    assert changed(before, after, "bucketserve_requests_total") == {(("endpoint", "/v1/models"), ("status", "200")): 1}
+    endpoints = {dict(labels).get("endpoint") for labels in after.series("bucketserve_requests_total")}
+    assert not endpoints & {"/metrics", "/health", "/ready"}
+
+
 def test_every_dashboard_metric_is_exported(live: Served) -> None:
     """tests/helm/metric_names.py is what the Grafana dashboard queries: all of it on /metrics, with the
     documented type and labels, and nothing on /metrics that the list does not know."""
