@@ -8,6 +8,7 @@ import argparse
 import math
 import shlex
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -155,6 +156,50 @@ def _replicas(server: RunningServer | ServerGroup) -> tuple[str, ...]:
     return tuple(server.urls[1:]) if isinstance(server, ServerGroup) else ()
 
 
+@dataclass(frozen=True)
+class _Started:
+    url: str
+    server: RunningServer | ServerGroup
+    ready: float  # seconds from start to ready
+
+
+@dataclass
+class _Launcher:
+    """Starts targets, one way for both orders (run_compare's and the interleaved one): a target's servers up and
+    ready (stopped when the caller's stack closes), the workload's prompts built once, from the first target that
+    comes up, and a target that is skipped or fails to start reported as such."""
+
+    comparison: Comparison
+    out_dir: Path
+    make_prompts: PromptFactory
+    ready_timeout: float
+    log: Callable[[str], None]
+    prompts: list[Prompt] | None = None
+    probes: list[Prompt] = field(default_factory=list)
+
+    def start(self, name: str, stack: ExitStack) -> _Started | TargetRun:
+        """The started target, or its skipped / failed report."""
+        url = ""
+        try:
+            cmds = self.comparison.commands(name)
+            url = cmds[0].url
+            server, ready = _start(name, cmds, self.out_dir, self.ready_timeout, stack, self.log)
+            if self.prompts is None:
+                self.prompts, self.probes = self.make_prompts(url, self.comparison.local_tokenizer)
+            return _Started(url, server, ready)
+        except SkipServer as exc:
+            return _skipped(name, exc, self.log)
+        except _TARGET_ERRORS as exc:
+            return self.failed(name, url, str(exc))
+
+    def failed(self, name: str, url: str, error: str, what: str = "") -> TargetRun:
+        self.log(f"[bench] {name} failed{f' during {what}' if what else ''}: {error}")
+        return failed_target(name, url, f"{what}: {error}" if what else error)
+
+    def done(self, run: TargetRun) -> None:
+        self.log(f"[bench] {run.name} done" + (f": {run.summary['error']}" if run.summary.get("error") else ""))
+
+
 def run_compare(
     names: list[str],
     comparison: Comparison,
@@ -166,41 +211,30 @@ def run_compare(
     interleave: bool = False,
 ) -> list[TargetRun]:
     """Each target started, run through every level and probe, and stopped, one after another; or with
-    `interleave`, see run_interleaved."""
+    `interleave`, all of them up at once, taking turns (_run_interleaved)."""
+    launcher = _Launcher(comparison, out_dir, make_prompts, ready_timeout, log)
     if interleave:
-        return run_interleaved(names, comparison, opts, out_dir, make_prompts, ready_timeout, log)
+        return _run_interleaved(names, opts, launcher)
     targets: list[TargetRun] = []
-    prompts: list[Prompt] | None = None
-    probes: list[Prompt] = []
     for name in names:
-        url = ""
-        try:
-            cmds = comparison.commands(name)
-            url = cmds[0].url
-            with ExitStack() as stack:
-                server, ready = _start(name, cmds, out_dir, ready_timeout, stack, log)
-                if prompts is None:
-                    prompts, probes = make_prompts(url, comparison.local_tokenizer)
-                run = run_target(name, url, prompts, opts, server, ready, probes, replicas=_replicas(server))
-                log(f"[bench] {name} done" + (f": {run.summary['error']}" if run.summary.get("error") else ""))
-            targets.append(run)
-        except SkipServer as exc:
-            targets.append(_skipped(name, exc, log))
-        except _TARGET_ERRORS as exc:
-            log(f"[bench] {name} failed: {exc}")
-            targets.append(failed_target(name, url, str(exc)))
+        with ExitStack() as stack:
+            started = launcher.start(name, stack)
+            if isinstance(started, TargetRun):
+                targets.append(started)
+                continue
+            assert launcher.prompts is not None  # built by the first start that succeeded
+            try:
+                run = run_target(name, started.url, launcher.prompts, opts, started.server, started.ready,
+                                 launcher.probes, replicas=_replicas(started.server))
+            except _TARGET_ERRORS as exc:
+                run = launcher.failed(name, started.url, str(exc))
+            else:
+                launcher.done(run)
+        targets.append(run)
     return targets
 
 
-def run_interleaved(
-    names: list[str],
-    comparison: Comparison,
-    opts: RunOptions,
-    out_dir: Path,
-    make_prompts: PromptFactory,
-    ready_timeout: float,
-    log: Callable[[str], None] = print,
-) -> list[TargetRun]:
+def _run_interleaved(names: list[str], opts: RunOptions, launcher: _Launcher) -> list[TargetRun]:
     """Every server started (one after another, each ready before the next starts, so start-up times are
     measured on an otherwise idle machine) and warmed; then each level (opts.rounds times over) is run by every
     target in turn, the order reversed every other level, and the TTFT probes likewise one prompt at a time; then
@@ -208,47 +242,37 @@ def run_interleaved(
     failed."""
     done: dict[str, TargetRun] = {}
     sessions: list[TargetSession] = []
-    prompts: list[Prompt] | None = None
-    probes: list[Prompt] = []
 
     def guarded(session: TargetSession, what: str, fn: Callable[..., object], *args: object) -> None:
         try:
             fn(*args)
         except _TARGET_ERRORS as exc:
-            log(f"[bench] {session.name} failed during {what}: {exc}")
-            done[session.name] = failed_target(session.name, session.base_url, f"{what}: {exc}")
+            done[session.name] = launcher.failed(session.name, session.base_url, str(exc), what)
             sessions.remove(session)
 
     with ExitStack() as stack:  # stops every server it started, whatever happens
         for name in names:
-            url = ""
-            try:
-                cmds = comparison.commands(name)
-                url = cmds[0].url
-                server, ready = _start(name, cmds, out_dir, ready_timeout, stack, log)
-                if prompts is None:
-                    prompts, probes = make_prompts(url, comparison.local_tokenizer)
-                session = TargetSession(name, url, prompts, opts, server, ready, _replicas(server))
-                sessions.append(session)
-                guarded(session, "the first requests", session.begin)
-                if session in sessions:
-                    session.notes.append("levels and TTFT probes interleaved with the other targets")
-            except SkipServer as exc:
-                done[name] = _skipped(name, exc, log)
-            except _TARGET_ERRORS as exc:
-                log(f"[bench] {name} failed: {exc}")
-                done[name] = failed_target(name, url, str(exc))
+            started = launcher.start(name, stack)
+            if isinstance(started, TargetRun):
+                done[name] = started
+                continue
+            assert launcher.prompts is not None  # built by the first start that succeeded
+            session = TargetSession(name, started.url, launcher.prompts, opts, started.server, started.ready,
+                                    _replicas(started.server))
+            sessions.append(session)
+            guarded(session, "the first requests", session.begin)
+            if session in sessions:
+                session.notes.append("levels and TTFT probes interleaved with the other targets")
         turns = [c for _ in range(opts.rounds) for c in opts.concurrency]
         for i, c in enumerate(turns):
             for session in list(sessions if i % 2 == 0 else reversed(sessions)):
-                log(f"[bench] {session.name}: concurrency {c}")
+                launcher.log(f"[bench] {session.name}: concurrency {c}")
                 guarded(session, f"concurrency {c}", session.run_level, c)
-        for j, prompt in enumerate(probes):
+        for j, prompt in enumerate(launcher.probes):
             for session in list(sessions if j % 2 == 0 else reversed(sessions)):
                 guarded(session, "the TTFT probes", session.probe, prompt)
         for session in list(sessions):
             guarded(session, "the final scrape", lambda s: done.__setitem__(s.name, s.finish()), session)
             if session.name in done:
-                log(f"[bench] {session.name} done" + (f": {done[session.name].summary['error']}"
-                                                      if done[session.name].summary.get("error") else ""))
+                launcher.done(done[session.name])
     return [done[name] for name in names if name in done]
