@@ -7,9 +7,13 @@ a conversation that repeats the earlier turns and the model's answer) needs no K
 positions of the match hold exactly the K/V it would compute (same tokens at the same positions). vLLM keeps a
 hash table of 16-token blocks for the same purpose; a slot here is one contiguous sequence, so a match is a
 common prefix, found by comparing the prompt with each candidate slot's tokens: the free slots' (what they held
-when freed) and the running requests' (what they have computed so far). The prompt takes the lowest free slot
-(small decode batch buckets) and, where the match lies in another slot, its K/V positions are copied there
-before the step runs (a few MB: far less than computing them).
+when freed) and the running requests' (what they have computed so far). Where the match lies in another slot,
+its K/V positions are copied into the prompt's before the step runs (a few MB: far less than computing them).
+
+Which free slot a prompt takes (the scheduler's `_slot_for`): among those that keep the decode batch bucket where
+the lowest free slot would (small buckets), the slot of its own match (no copy), else one that holds nothing, else
+the one freed longest ago (least recently used, as vLLM evicts blocks). Taking the lowest free slot regardless
+would overwrite the conversation that just ended there, the one most likely to send its next turn.
 
 Pure Python, no torch: the scheduler (buckets/scheduler.py) owns one and tells it when a slot is taken and what
 a slot holds when it is freed.
@@ -57,10 +61,18 @@ class SlotPrefixes:
     def release(self, slot: int, tokens: tuple[int, ...]) -> None:
         """`slot` was freed holding the K/V of `tokens` at positions 0..len - 1."""
         tokens = tokens[: self.limit]
+        self.held.pop(slot, None)  # re-inserted last: `held` iterates from the record freed longest ago
         if tokens:
             self.held[slot] = tokens
-        else:
-            self.held.pop(slot, None)
+
+    def victim(self, slots: list[int]) -> int:
+        """Of these free slots (ascending), the one a prompt overwrites when it reuses none of them: the lowest that
+        holds nothing, else the one freed longest ago."""
+        empty = [s for s in slots if s not in self.held]
+        if empty:
+            return empty[0]
+        age = {s: i for i, s in enumerate(self.held)}
+        return min(slots, key=age.__getitem__)
 
     def forget(self, slot: int) -> None:
         """`slot` holds nothing to reuse: a request took it (and overwrites it), or a step that wrote it failed."""

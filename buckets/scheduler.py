@@ -41,7 +41,7 @@ from buckets.table import BucketTable
 __all__ = ["ChunkStep", "DecodeStep", "MixedStep", "Piece", "PrefillStep", "QueueFullError", "Scheduler", "Sequence",
            "Step", "WAITING_SERVED_RATIO"]
 
-WAITING_SERVED_RATIO = 0.0  # off: see Scheduler.waiting_served_ratio
+WAITING_SERVED_RATIO = 1.0  # on: see Scheduler.waiting_served_ratio and docs/performance.md (session 46)
 
 
 class QueueFullError(RuntimeError):
@@ -64,8 +64,10 @@ class Scheduler:
     # Mixed steps: when the prompts that could start now (free slots permitting) plus a prompt mid-chunk number at
     # least this many times the decoding rows, a step carries up to the solo budget instead of the mixed budget:
     # fewer, larger prompt steps (faster per token) while many wait, each holding the decoding rows longer. 0: off
-    # (the mixed budget whenever a row decodes); 1: as many waiting as decoding (one long prompt against one
-    # decoding row counts); 0.05: nearly always (vLLM's one token budget for every step). Named after TGI's
+    # (the mixed budget whenever a row decodes); 1, the default: as many waiting as decoding (one long prompt
+    # against one decoding row counts; a round of arrivals is admitted together, as vLLM's are, and the clients
+    # stay in step: +5% output tokens/s at 8 and 16 clients, a lower TTFT p90, the same ITL p99, session 46);
+    # 0.05: nearly always (vLLM's one token budget for every step: ITL p99 2-3x). Named after TGI's
     # setting, which trades the same thing differently (there it gates when a new prefill batch may join; 0: always).
     waiting_served_ratio: float = WAITING_SERVED_RATIO
     prefix_caching: bool = False
@@ -221,7 +223,9 @@ class Scheduler:
         if head.bucket > self.table.max_length:  # a chunked prompt: its first chunk runs alone
             room = 1
         group = [s for s in self.waiting if s.bucket == head.bucket][:room]
-        for seq, slot in zip(group, free):
+        for seq in group:
+            slot = self._slot_for(seq.prompt_ids, free)
+            free.remove(slot)
             self.waiting.remove(seq)
             self._waiting_tokens -= seq.prompt_len
             self._take(seq, slot)
@@ -254,7 +258,8 @@ class Scheduler:
         while budget > 0 and self.waiting and free:
             seq = self.waiting.popleft()
             self._waiting_tokens -= seq.prompt_len
-            slot = free.pop(0)
+            slot = self._slot_for(seq.prompt_ids, free)
+            free.remove(slot)
             source, reuse = self._match(seq.prompt_ids, slot, free)
             if source not in (-1, slot):
                 copies.append((source, slot, reuse))
@@ -291,6 +296,15 @@ class Scheduler:
         """A step that wrote `seq`'s slot failed (its copy too, perhaps): the slot, once free, claims nothing."""
         if self._prefixes is not None and seq.slot not in self.running:
             self._prefixes.forget(seq.slot)
+
+    def _slot_for(self, prompt: tuple[int, ...], free: list[int]) -> int:
+        """The free slot a new prompt takes (buckets/prefix_cache.py says why): the lowest without prefix caching."""
+        if self._prefixes is None:
+            return free[0]
+        bound = self.table.batch_for(max([free[0], *self.running]) + 1)  # the decode bucket the lowest would give
+        room = [s for s in free if s < bound]
+        source, _ = self._match(prompt, free[0], free[1:])
+        return source if source in room else self._prefixes.victim(room)
 
     def _match(self, prompt: tuple[int, ...], slot: int, free: list[int]) -> tuple[int, int]:
         """(source slot, tokens) of the longest reusable prefix of `prompt`, which takes `slot`."""

@@ -65,7 +65,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--waiting-served-ratio", type=float, default=d.waiting_served_ratio,
                         help="mixed steps: when the prompts that could start number at least this many times "
                              "the decoding rows, a step carries up to the largest token bucket instead of the "
-                             "chunk (fewer, bigger prompt steps while many wait, at the cost of TTFT; 0: off)")
+                             "chunk (fewer, bigger prompt steps while many wait; default 1; 0: off, the "
+                             "steadiest inter-token latency)")
     parser.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens,
                         help="mixed steps: the most tokens a step carries while rows decode (prompt tokens ride "
                              "with the decoding rows up to it; a decoding row waits about one such step). -1: auto "

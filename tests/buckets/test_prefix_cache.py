@@ -138,7 +138,7 @@ def test_the_freed_slot_holds_the_prompt_and_all_but_the_last_sampled_token() ->
 def test_an_aborted_prompt_leaves_only_what_was_prefilled() -> None:
     table = BucketTable(lengths=(8, 16), batch_sizes=(1, 2), prefill_batch_sizes=(1,), context_length=128,
                         chunked_prefill=True, mixed_tokens=(8, 16, 32))
-    s = Scheduler(table, prefix_caching=True)
+    s = Scheduler(table, prefix_caching=True, waiting_served_ratio=0)  # the mixed budget while d decodes
     s.add(seq("d", [9] * 5, max_tokens=20))
     s.update(s.schedule(), {"d": 1})  # d decodes in slot 0: the mixed budget (16) from now on
     long = list(range(100, 160))
@@ -192,3 +192,59 @@ def test_a_decode_step_ends_the_records_of_its_free_rows() -> None:
     assert s._prefixes is not None and 0 not in s._prefixes.held
     s.add(seq("again", list(range(1, 25))))
     assert pieces(s.schedule()) == [("again", 0, 0, 24)]  # computed again from position 0
+
+
+def _freed_in(s: Scheduler, rid: str, ids: list[int]) -> int:
+    """Run request `rid` (one token) beside whatever runs, to its end; the slot it leaves its record in."""
+    s.add(seq(rid, ids, max_tokens=1))
+    slot = -1
+    while slot < 0 or slot in s.running:  # mixed steps, as many as its prompt takes beside the running rows
+        step = s.schedule()
+        assert isinstance(step, MixedStep)
+        slot = next((p.seq.slot for p in step.pieces if p.seq.request_id == rid), slot)
+        s.update(step, {q.request_id: 7 for q in step.sampling_seqs})
+    assert s._prefixes is not None and slot in s._prefixes.held and s._prefixes is not None and slot in s._prefixes.held
+    return slot
+
+
+def test_a_prompt_without_a_match_keeps_the_records_it_can() -> None:
+    """Slots 0 and 1 run long requests, so slots 2 and 3 share the next decode bucket (4). A conversation ends in
+    slot 2; a prompt that matches nothing then takes empty slot 3, not the lowest, and the conversation's next
+    turn finds its record in slot 2 and takes that slot (no copy)."""
+    s = Scheduler(TABLE, prefix_caching=True)
+    s.add_many([seq("run0", [90] * 4, max_tokens=50), seq("run1", [91] * 4, max_tokens=50)])
+    s.update(s.schedule(), {"run0": 1, "run1": 1})
+    chat = list(range(1, 21))
+    assert _freed_in(s, "chat", chat) == 2
+    s.add(seq("other", [60 + i for i in range(20)], max_tokens=5))
+    step = s.schedule()
+    assert [p[:2] for p in pieces(step)] == [("other", 3)]
+    s.update(step, {"run0": 1, "run1": 1, "other": 1})
+    s.add(seq("chat2", chat + [7, 8, 9]))
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and ("chat2", 2, 20, 3) in pieces(step) and step.copies == ()
+
+
+def test_the_record_freed_longest_ago_is_overwritten_first() -> None:
+    s = Scheduler(TABLE, prefix_caching=True)
+    s.add_many([seq("run0", [90] * 4, max_tokens=50), seq("run1", [91] * 4, max_tokens=50)])
+    s.update(s.schedule(), {"run0": 1, "run1": 1})
+    old = list(range(1, 21))
+    assert _freed_in(s, "old", old) == 2
+    assert _freed_in(s, "new", list(range(30, 50))) == 3  # slot 2 holds a record: the empty slot 3
+    assert _freed_in(s, "third", list(range(60, 80))) == 2  # both hold one: old's, freed longest ago, goes
+    assert s._prefixes is not None and set(s._prefixes.held) == {2, 3}
+    s.add(seq("new again", list(range(30, 50)) + [5]))
+    step = s.schedule()
+    assert pieces(step) == [("new again", 3, 20, 1)]  # new's record survived; it is reused in place
+
+
+def test_victim_prefers_an_empty_slot_then_the_oldest_record() -> None:
+    p = SlotPrefixes(limit=64)
+    assert p.victim([2, 5]) == 2
+    p.release(5, (1, 2))
+    p.release(2, (3, 4))
+    assert p.victim([2, 5, 7]) == 7
+    assert p.victim([2, 5]) == 5
+    p.release(5, (1, 2, 3))  # freed again: now the newest
+    assert p.victim([2, 5]) == 2

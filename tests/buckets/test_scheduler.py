@@ -8,7 +8,16 @@ from collections.abc import Callable
 import pytest
 
 from buckets import BucketTable, PromptTooLongError
-from buckets.scheduler import ChunkStep, DecodeStep, MixedStep, PrefillStep, QueueFullError, Scheduler, Sequence
+from buckets.scheduler import (
+    WAITING_SERVED_RATIO,
+    ChunkStep,
+    DecodeStep,
+    MixedStep,
+    PrefillStep,
+    QueueFullError,
+    Scheduler,
+    Sequence,
+)
 
 TABLE = BucketTable(lengths=(8, 16, 32), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1, 2), context_length=64)
 
@@ -315,7 +324,7 @@ SOLO = BucketTable(lengths=(8, 16), batch_sizes=(1, 2, 4), prefill_batch_sizes=(
 
 def test_a_long_prompt_at_an_idle_server_takes_solo_steps() -> None:
     assert (SOLO.mixed_budget, SOLO.solo_budget) == (16, 64)
-    s = Scheduler(SOLO)
+    s = Scheduler(SOLO, waiting_served_ratio=0)  # the solo budget only while nothing decodes
     s.add(seq("long", 100, max_tokens=8))
     step = s.schedule()
     # nothing decodes: a mixed step of the solo budget starts the prompt (no prefill of its first chunk)
@@ -413,9 +422,16 @@ def _one_decoding_row_and(s: Scheduler, waiting: list[Sequence]) -> MixedStep:
 
 
 def test_waiting_served_ratio_off_keeps_the_mixed_budget_while_a_row_decodes() -> None:
-    s = Scheduler(SOLO)  # the default: off
+    s = Scheduler(SOLO, waiting_served_ratio=0)
     step = _one_decoding_row_and(s, [seq("b", 30), seq("c", 30)])
     assert step.tokens == SOLO.mixed_budget == 16 and step.prompt_tokens == 15
+
+
+def test_waiting_served_ratio_is_one_by_default() -> None:
+    """As many prompts that could start as rows decode: the solo budget (docs/performance.md, session 46)."""
+    assert Scheduler(SOLO).waiting_served_ratio == WAITING_SERVED_RATIO == 1.0
+    step = _one_decoding_row_and(Scheduler(SOLO), [seq("b", 30), seq("c", 30)])
+    assert step.tokens == SOLO.solo_budget and step.prompt_tokens == 60
 
 
 @pytest.mark.parametrize(("ratio", "waiting", "solo"), [
@@ -451,7 +467,7 @@ def test_waiting_served_ratio_counts_only_prompts_that_can_start() -> None:
 
 def test_waiting_served_ratio_counts_a_prompt_mid_chunk_as_waiting() -> None:
     for ratio, tokens in ((0.0, 16), (1.0, 64)):
-        s = Scheduler(SOLO)  # off while "long" starts: one decoding row and its first 15 tokens
+        s = Scheduler(SOLO, waiting_served_ratio=0)  # off while "long" starts: one decoding row, its first 15 tokens
         step = _one_decoding_row_and(s, [seq("long", 100)])
         s.update(step, {"a": 7})
         s.waiting_served_ratio = ratio  # then: "long" mid-chunk is one waiting stream against one decoding row
@@ -468,7 +484,7 @@ def test_waiting_served_ratio_must_be_a_number_at_least_zero() -> None:
 
 def test_solo_workload_completes_fcfs_and_never_stalls_decoding_rows_past_the_budget() -> None:
     rng = random.Random(2)
-    s = Scheduler(SOLO, max_waiting_requests=1000, max_waiting_tokens=10**6)
+    s = Scheduler(SOLO, max_waiting_requests=1000, max_waiting_tokens=10**6, waiting_served_ratio=0)
     seqs = [seq(f"r{i}", rng.randint(1, 100), rng.randint(1, 12)) for i in range(50)]
     solo_steps = []
 

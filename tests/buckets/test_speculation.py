@@ -72,7 +72,7 @@ def speculating(rid: str, prompt: list[int], max_tokens: int = 20, stop: frozens
 
 
 def test_decoding_rows_with_drafts_take_verify_steps() -> None:
-    s = Scheduler(TABLE, speculative_tokens=3)
+    s = Scheduler(TABLE, speculative_tokens=3, waiting_served_ratio=0)  # a prompt joins the drafts, not a big step
     a, b = speculating("a", [1, 2, 3, 1, 2, 3, 1, 2]), Sequence("b", 5, 20)  # b does not speculate
     s.add(a)
     s.update(s.schedule(), {"a": 3})  # type: ignore[arg-type]
@@ -111,7 +111,7 @@ def test_a_stop_or_the_length_inside_a_verify_step_ends_the_row_there() -> None:
 
 
 def test_prompts_get_what_the_drafts_leave_of_the_budget() -> None:
-    s = Scheduler(TABLE, speculative_tokens=3)
+    s = Scheduler(TABLE, speculative_tokens=3, waiting_served_ratio=0)
     a = speculating("a", [1, 2, 3, 1, 2, 3, 1, 2])
     s.add(a)
     s.update(s.schedule(), {"a": 3})  # type: ignore[arg-type]

@@ -86,8 +86,9 @@ def test_bad_settings_are_refused_with_the_setting_named(argv: list[str], env: d
         parse(argv, env)
 
 
-def test_waiting_served_ratio_is_off_by_default_and_settable() -> None:
-    assert parse([]).waiting_served_ratio == 0
+def test_waiting_served_ratio_is_one_by_default_and_settable() -> None:
+    assert parse([]).waiting_served_ratio == 1
+    assert parse(["--waiting-served-ratio", "0"]).waiting_served_ratio == 0
     assert parse(["--waiting-served-ratio", "1.2"]).waiting_served_ratio == 1.2
     assert parse([], {"BUCKETSERVE_WAITING_SERVED_RATIO": "0.5"}).waiting_served_ratio == 0.5
 
