@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from buckets.prefix_cache import SlotPrefixes
-from buckets.speculation import plan_drafts
+from buckets.speculation import fill_drafts, plan_drafts
 from buckets.step_sizing import solo_prompt, trimmed
 from buckets.steps import ChunkStep, DecodeStep, MixedStep, Piece, PrefillStep, Sequence, Step
 from buckets.table import BucketTable
@@ -154,7 +154,7 @@ class Scheduler:
         self._last_was_prefill = False
         if decoding:
             decode = tuple(decoding[s] for s in sorted(decoding))
-            drafts = self._drafts(decode)
+            drafts = self._drafts(decode, fill=True)
             if drafts:  # a verify step: every decoding row, the drafts after their last token
                 rows = len(decode) + sum(map(len, drafts))
                 return MixedStep(self.table.verify_for(rows), decode, (), drafts=drafts)
@@ -271,10 +271,15 @@ class Scheduler:
         bucket = self.table.verify_for(total - budget) if drafts else self.table.mixed_for(total - budget)
         return MixedStep(bucket, decode, tuple(pieces), tuple(copies), drafts)
 
-    def _drafts(self, decode: tuple[Sequence, ...]) -> tuple[tuple[int, ...], ...]:
-        if not self.speculative_tokens:
+    def _drafts(self, decode: tuple[Sequence, ...], fill: bool = False) -> tuple[tuple[int, ...], ...]:
+        """With `fill` (a step of decoding rows alone), a row's drafts may fill the token bucket that the rows and K
+        drafts each take; beside prompt pieces they stay at K (prompt tokens take the rest of the budget)."""
+        k = self.speculative_tokens
+        if not k:
             return ()
-        return plan_drafts(decode, self.speculative_tokens, self.table.draft_rows, self.table.context_length)
+        if fill:
+            k = fill_drafts(k, len(decode), self.table.verify_for(min(len(decode) * (1 + k), self.table.mixed_budget)))
+        return plan_drafts(decode, k, self.table.draft_rows, self.table.context_length)
 
     def _take(self, seq: Sequence, slot: int, reuse: int = 0) -> None:
         """`seq` starts in `slot`, whose first `reuse` positions already hold its prompt's K/V."""

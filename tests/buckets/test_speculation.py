@@ -7,7 +7,7 @@ import pytest
 
 from buckets import BucketError, BucketTable, GraphKey
 from buckets.scheduler import DecodeStep, MixedStep, Scheduler, Sequence
-from buckets.speculation import NgramIndex, accepted, plan_drafts
+from buckets.speculation import FILL_DRAFTS_MOST, NgramIndex, accepted, fill_drafts, plan_drafts
 
 TABLE = BucketTable(lengths=(8, 16, 32, 64), batch_sizes=(1, 2, 4), prefill_batch_sizes=(1,), context_length=128,
                     mixed_tokens=(8, 16, 32, 64), draft_rows=8)
@@ -119,3 +119,22 @@ def test_prompts_get_what_the_drafts_leave_of_the_budget() -> None:
     step = s.schedule()
     assert isinstance(step, MixedStep) and step.drafts == ((1, 2, 3),)
     assert step.tokens == 64 and step.pieces[0].num_tokens == 60  # 4 tokens for a, the rest for the prompt
+
+
+def test_fill_drafts_fills_the_bucket_the_rows_take_anyway() -> None:
+    cases = ((1, 8), (2, 8), (3, 16), (4, 16), (5, 32), (1, 64), (16, 64))  # (rows, token bucket), K = 3
+    assert [fill_drafts(3, rows, tokens) for rows, tokens in cases] == [7, 3, 4, 3, 5, FILL_DRAFTS_MOST, 3]
+    assert fill_drafts(5, 4, 16) == 5  # never fewer than K
+
+
+def test_a_lone_row_fills_its_verify_bucket_with_drafts_and_keeps_k_beside_a_prompt() -> None:
+    s = Scheduler(TABLE, speculative_tokens=3, waiting_served_ratio=0)
+    a = speculating("a", list(range(1, 11)) + [1, 2])
+    s.add(a)
+    s.update(s.schedule(), {"a": 3})  # type: ignore[arg-type]  # "1 2 3" occurred at the start: 4 .. 10 follow
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and not step.pieces
+    assert step.drafts == ((4, 5, 6, 7, 8, 9, 10),) and step.tokens == 8  # the bucket 1 + 3 tokens take anyway
+    s.add(Sequence("b", 5, 20))
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and step.drafts == ((4, 5, 6),) and step.pieces[0].num_tokens == 5
