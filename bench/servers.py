@@ -1,4 +1,4 @@
-"""Servers the bench starts itself: command lines, readiness, peak memory, clean shutdown.
+"""Servers the bench starts itself: command lines, readiness, clean shutdown (peak memory and CPU use: process_stats).
 
 Every server binds 127.0.0.1 on a free port and gets the same thread count (OMP_NUM_THREADS plus its own
 flag). Each runs in its own session so SIGTERM/SIGKILL reach its worker processes too.
@@ -15,9 +15,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import httpx
+
+from bench.process_stats import cpu_seconds, peak_rss_bytes
 
 # bucketserve-static: bucketserve with --batching static (run-to-completion batches), for comparison.
 # bucketserve-tp2 / bucketserve-dp2: the layout comparison on the same cores: one server split over two
@@ -118,64 +119,6 @@ def vllm_command(python: str, hf_model: str, threads: int, max_num_seqs: int, ma
     if threads > 0:
         env.append(("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}"))
     return ServerCommand("vllm", tuple(argv + extra), port, tuple(env))
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            out += [int(c) for c in (task / "children").read_text().split()]
-    except OSError:
-        pass
-    return out
-
-
-def _vm_hwm(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_bytes(pid: int, tree: bool = False) -> int | None:
-    """Peak resident set (VmHWM from /proc, Linux) of the process; with `tree`, summed over its live
-    descendants too (an upper bound: their peaks need not coincide, and forked pages count twice)."""
-    return _tree_sum(pid, _vm_hwm) if tree else _vm_hwm(pid)
-
-
-def _tree_sum(pid: int, measure: Callable[[int], int | None]) -> int | None:
-    """`measure` summed over a process and its live descendants; None when the process is gone."""
-    total, found, seen, stack = 0, False, set(), [pid]
-    while stack:
-        p = stack.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        value = measure(p)
-        if value is not None:
-            total, found = total + value, True
-            stack += _children(p)
-    return total if found else None
-
-
-def _cpu_ticks(pid: int) -> int | None:
-    """utime + stime of one process, in clock ticks (/proc/PID/stat fields 14 and 15)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces
-    return int(fields[11]) + int(fields[12])
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """CPU seconds used so far by a process and its live descendants (an engine in a child process, like
-    vLLM's engine core, counts too)."""
-    ticks = _tree_sum(pid, _cpu_ticks)
-    return ticks / os.sysconf("SC_CLK_TCK") if ticks is not None else None
 
 
 class RunningServer:

@@ -303,13 +303,12 @@ class Scheduler:
             self._prefixes.forget(seq.slot)
 
     def _slot_for(self, prompt: tuple[int, ...], free: list[int]) -> int:
-        """The free slot a new prompt takes (buckets/prefix_cache.py says why): the lowest without prefix caching."""
+        """The free slot a new prompt takes: the lowest, or with prefix caching SlotPrefixes.slot_for's choice
+        among those below the decode batch bucket the lowest would give."""
         if self._prefixes is None:
             return free[0]
-        bound = self.table.batch_for(max([free[0], *self.running]) + 1)  # the decode bucket the lowest would give
-        room = [s for s in free if s < bound]
-        source, _ = self._match(prompt, free[0], free[1:])
-        return source if source in room else self._prefixes.victim(room)
+        bound = self.table.batch_for(max([free[0], *self.running]) + 1)
+        return self._prefixes.slot_for(prompt, [s for s in free if s < bound], free, self.running)
 
     def _match(self, prompt: tuple[int, ...], slot: int, free: list[int]) -> tuple[int, int]:
         """(source slot, tokens) of the longest reusable prefix of `prompt`, which takes `slot`."""

@@ -10,6 +10,7 @@ import pytest
 
 from bench.compare import Comparison, SkipServer, batch_buckets_up_to, output_bound, parse_names, run_compare
 from bench.modelfiles import ModelFiles, resolve
+from bench.process_stats import cpu_seconds, peak_rss_bytes
 from bench.prompts import Prompt
 from bench.report import document, markdown, ratio_lines
 from bench.runner import RunOptions, TargetSession
@@ -18,10 +19,8 @@ from bench.servers import (
     ServerCommand,
     ServerError,
     bucketserve_command,
-    cpu_seconds,
     free_port,
     llama_command,
-    peak_rss_bytes,
     transformers_command,
     vllm_command,
     wait_until_ready,
