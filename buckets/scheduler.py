@@ -173,6 +173,7 @@ class Scheduler:
         """Record each sequence's new token (a verify step's row: its tokens, in order, of which those after a stop
         or the length limit are dropped); returns the sequences that finished (slots freed)."""
         finished: list[Sequence] = []
+        drafts = {id(q): d for q, d in zip(step.decode, step.drafts)} if isinstance(step, MixedStep) else {}
         for seq in step.seqs:
             if seq.finish_reason is not None:
                 continue  # aborted while the step ran
@@ -189,6 +190,9 @@ class Scheduler:
             if not seq.is_decoding or seq.request_id not in sampled:
                 continue  # a chunk that does not end the prompt yields no token
             tokens = sampled[seq.request_id]
+            drafted = drafts.get(id(seq), ())
+            if drafted and seq.ngrams is not None and isinstance(tokens, list):
+                seq.ngrams.verified(len(drafted), len(tokens) - 1, self.speculative_tokens)
             for token in tokens if isinstance(tokens, list) else (tokens,):
                 if seq.advance(token, self.table.context_length):
                     self._release(seq)
@@ -277,9 +281,9 @@ class Scheduler:
         k = self.speculative_tokens
         if not k:
             return ()
-        if fill:
-            k = fill_drafts(k, len(decode), self.table.verify_for(min(len(decode) * (1 + k), self.table.mixed_budget)))
-        return plan_drafts(decode, k, self.table.draft_rows, self.table.context_length)
+        most = fill_drafts(k, len(decode), self.table.verify_for(min(len(decode) * (1 + k), self.table.mixed_budget))) \
+            if fill else 0
+        return plan_drafts(decode, k, self.table.draft_rows, self.table.context_length, most if most > k else 0)
 
     def _take(self, seq: Sequence, slot: int, reuse: int = 0) -> None:
         """`seq` starts in `slot`, whose first `reuse` positions already hold its prompt's K/V."""

@@ -7,6 +7,10 @@ the longest that occurred before; one token after a match shorter than 3), in it
 (vLLM's `ngram` method, prompt lookup decoding). The step computes the row's last token and its drafts at their
 positions, and greedy decoding keeps draft i while it equals the token the step predicted before it: a greedy
 row's output is the one it would have decoded token by token, and a step gives it 1 + (accepted drafts) tokens.
+
+k is the row's own: K (`--num-speculative-tokens`) at first, 2 more after a step that accepted all its drafts, 1
+fewer after one that did not (1..FILL_DRAFTS_MOST); a step of decoding rows alone may give each row more, up to what
+fills the token bucket it takes anyway (`fill_drafts`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,17 @@ class NgramIndex:
         self.tokens: list[int] = list(prompt)
         self._next: dict[tuple[int, ...], int] = {}
         self._indexed = 1  # tokens[j] for j < _indexed have been recorded as the successor of what precedes them
+        self.k = 0  # the drafts this row carries at most (0: the scheduler's K), adapted by `verified`
+
+    def limit(self, k: int) -> int:
+        return self.k or k
+
+    def verified(self, drafted: int, accepted: int, k: int) -> None:
+        """A verify step accepted `accepted` of this row's `drafted` drafts: all of them, 2 more next time (up to
+        FILL_DRAFTS_MOST), else 1 fewer (at least 1), from K = `k` at first (transformers' "heuristic" schedule
+        for assisted generation)."""
+        now = self.limit(k)
+        self.k = min(FILL_DRAFTS_MOST, now + 2) if accepted >= drafted else max(1, now - 1)
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
@@ -63,15 +78,20 @@ def fill_drafts(k: int, rows: int, tokens: int) -> int:
     return max(k, min(FILL_DRAFTS_MOST, tokens // max(rows, 1) - 1))
 
 
-def plan_drafts(decode: tuple[Sequence, ...], k: int, room: int, context_length: int
+def plan_drafts(decode: tuple[Sequence, ...], k: int, room: int, context_length: int, fill: int = 0
                 ) -> tuple[tuple[int, ...], ...]:
-    """Drafts for each decoding row of a step (slot order), `room` draft tokens in all at most: up to k for a row
-    that speculates (its `ngrams`), never past its max_tokens (a verify step yields up to drafts + 1 tokens) nor
-    past the context's last position. () when no row has one."""
+    """Drafts for each decoding row of a step (slot order), `room` draft tokens in all at most: up to the row's
+    own limit (its `ngrams`' adapted k, else k) or `fill`, whichever is more, for a row that speculates, never
+    past its max_tokens (a verify step yields up to drafts + 1 tokens) nor past the context's last position.
+    () when no row has one."""
     drafts: list[tuple[int, ...]] = []
     for seq in decode:
-        m = min(k, room, seq.max_tokens - seq.num_generated - 1, context_length - 1 - seq.position)
-        draft = seq.ngrams.propose(m) if seq.ngrams is not None and m > 0 else ()
+        if seq.ngrams is None:
+            drafts.append(())
+            continue
+        m = min(max(fill, seq.ngrams.limit(k)), room, seq.max_tokens - seq.num_generated - 1,
+                context_length - 1 - seq.position)
+        draft = seq.ngrams.propose(m) if m > 0 else ()
         room -= len(draft)
         drafts.append(draft)
     return tuple(drafts) if any(drafts) else ()

@@ -138,3 +138,32 @@ def test_a_lone_row_fills_its_verify_bucket_with_drafts_and_keeps_k_beside_a_pro
     s.add(Sequence("b", 5, 20))
     step = s.schedule()
     assert isinstance(step, MixedStep) and step.drafts == ((4, 5, 6),) and step.pieces[0].num_tokens == 5
+
+
+def test_a_row_that_accepts_every_draft_carries_more_and_one_that_does_not_fewer() -> None:
+    index = NgramIndex([1, 2, 3])
+    assert index.limit(3) == 3
+    index.verified(3, 3, k=3)
+    assert index.limit(3) == 5
+    index.verified(5, 5, k=3)
+    index.verified(7, 7, k=3)
+    assert index.limit(3) == FILL_DRAFTS_MOST  # at the most
+    index.verified(8, 2, k=3)
+    assert index.limit(3) == FILL_DRAFTS_MOST - 1
+    for _ in range(10):
+        index.verified(1, 0, k=3)
+    assert index.limit(3) == 1  # never below one
+
+
+def test_the_scheduler_adapts_each_rows_drafts_to_what_it_accepted() -> None:
+    s = Scheduler(TABLE, speculative_tokens=3, waiting_served_ratio=0)
+    a = speculating("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], max_tokens=40)
+    b = speculating("b", [5, 6, 7, 5, 6, 7, 5, 6], max_tokens=40)
+    s.add_many([a, b])
+    s.update(s.schedule(), {"a": 3, "b": 7})  # type: ignore[arg-type]
+    step = s.schedule()  # two rows in an 8-token bucket: K each
+    assert isinstance(step, MixedStep) and step.drafts == ((4, 5, 6), (5, 6, 7))
+    s.update(step, {"a": [4, 5, 6, 7], "b": [9]})  # a: every draft; b: none
+    assert a.ngrams is not None and b.ngrams is not None and (a.ngrams.limit(3), b.ngrams.limit(3)) == (5, 2)
+    step = s.schedule()
+    assert isinstance(step, MixedStep) and step.drafts[0] == (8, 9, 1, 2, 3)
