@@ -10,7 +10,7 @@ common prefix, found by comparing the prompt with each candidate slot's tokens: 
 when freed) and the running requests' (what they have computed so far). Where the match lies in another slot,
 its K/V positions are copied into the prompt's before the step runs (a few MB: far less than computing them).
 
-Which free slot a prompt takes (`SlotPrefixes.slot_for`): among those that keep the decode batch bucket where
+Which free slot a prompt takes (`SlotPrefixes.place`): among those that keep the decode batch bucket where
 the lowest free slot would (small buckets), the slot of its own match (no copy), else one that holds nothing, else
 the one freed longest ago (least recently used, as vLLM evicts blocks). Taking the lowest free slot regardless
 would overwrite the conversation that just ended there, the one most likely to send its next turn.
@@ -65,12 +65,13 @@ class SlotPrefixes:
         if tokens:
             self.held[slot] = tokens
 
-    def slot_for(self, prompt: tuple[int, ...], room: list[int], free: list[int], running: Mapping[int, Sequence]
-                 ) -> int:
-        """Which of the free slots in `room` (ascending, a subset of `free`) a new prompt takes: its match's own
-        slot (no copy), else victim(room)."""
-        source, _ = self.source(prompt, free[0], free[1:], running)
-        return source if source in room else self.victim(room)
+    def place(self, prompt: tuple[int, ...], room: list[int], free: list[int], running: Mapping[int, Sequence]
+              ) -> tuple[int, int, int]:
+        """(slot, source slot, tokens to reuse) for a new prompt: the slot it takes among the free slots in `room`
+        (ascending, a subset of `free`) is its match's own (no copy), else victim(room); the match is source()'s
+        over every free slot and running request ((-1, 0): none)."""
+        source, n = self.source(prompt, free[0], free[1:], running)
+        return (source if source in room else self.victim(room)), source, n
 
     def victim(self, slots: list[int]) -> int:
         """Of these free slots (ascending), the one a prompt overwrites when it reuses none of them: the lowest that

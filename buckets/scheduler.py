@@ -228,8 +228,7 @@ class Scheduler:
             room = 1
         group = [s for s in self.waiting if s.bucket == head.bucket][:room]
         for seq in group:
-            slot = self._slot_for(seq.prompt_ids, free)
-            free.remove(slot)
+            slot, _, _ = self._place(seq.prompt_ids, free)  # a prefill starts at position 0 whatever matches
             self.waiting.remove(seq)
             self._waiting_tokens -= seq.prompt_len
             self._take(seq, slot)
@@ -262,9 +261,7 @@ class Scheduler:
         while budget > 0 and self.waiting and free:
             seq = self.waiting.popleft()
             self._waiting_tokens -= seq.prompt_len
-            slot = self._slot_for(seq.prompt_ids, free)
-            free.remove(slot)
-            source, reuse = self._match(seq.prompt_ids, slot, free)
+            slot, source, reuse = self._place(seq.prompt_ids, free)
             if source not in (-1, slot):
                 copies.append((source, slot, reuse))
             self._take(seq, slot, reuse)
@@ -283,7 +280,7 @@ class Scheduler:
             return ()
         most = fill_drafts(k, len(decode), self.table.verify_for(min(len(decode) * (1 + k), self.table.mixed_budget))) \
             if fill else 0
-        return plan_drafts(decode, k, self.table.draft_rows, self.table.context_length, most if most > k else 0)
+        return plan_drafts(decode, k, self.table.draft_rows, self.table.context_length, most)
 
     def _take(self, seq: Sequence, slot: int, reuse: int = 0) -> None:
         """`seq` starts in `slot`, whose first `reuse` positions already hold its prompt's K/V."""
@@ -306,13 +303,17 @@ class Scheduler:
         if self._prefixes is not None and seq.slot not in self.running:
             self._prefixes.forget(seq.slot)
 
-    def _slot_for(self, prompt: tuple[int, ...], free: list[int]) -> int:
-        """The free slot a new prompt takes: the lowest, or with prefix caching SlotPrefixes.slot_for's choice
-        among those below the decode batch bucket the lowest would give."""
+    def _place(self, prompt: tuple[int, ...], free: list[int]) -> tuple[int, int, int]:
+        """(slot, source slot, tokens to reuse) for a new prompt, its slot taken out of `free`: the lowest free
+        slot, or with prefix caching SlotPrefixes.place's choice among those below the decode batch bucket the
+        lowest would give, and its match."""
         if self._prefixes is None:
-            return free[0]
-        bound = self.table.batch_for(max([free[0], *self.running]) + 1)
-        return self._prefixes.slot_for(prompt, [s for s in free if s < bound], free, self.running)
+            slot, source, reuse = free[0], -1, 0
+        else:
+            bound = self.table.batch_for(max([free[0], *self.running]) + 1)
+            slot, source, reuse = self._prefixes.place(prompt, [s for s in free if s < bound], free, self.running)
+        free.remove(slot)
+        return slot, source, reuse
 
     def _match(self, prompt: tuple[int, ...], slot: int, free: list[int]) -> tuple[int, int]:
         """(source slot, tokens) of the longest reusable prefix of `prompt`, which takes `slot`."""

@@ -73,9 +73,11 @@ class NgramIndex:
 
 
 def fill_drafts(k: int, rows: int, tokens: int) -> int:
-    """Drafts a row may carry in a step of `rows` decoding rows whose token bucket holds `tokens`: k, or as many
-    as fill that bucket (up to FILL_DRAFTS_MOST), the bucket that rows x (1 + k) tokens take anyway."""
-    return max(k, min(FILL_DRAFTS_MOST, tokens // max(rows, 1) - 1))
+    """Drafts a row may carry, whatever its own limit, in a step of `rows` decoding rows whose token bucket (the
+    one rows x (1 + k) tokens take anyway) holds `tokens`: as many as fill it, up to FILL_DRAFTS_MOST; 0 where
+    that is no more than k."""
+    fill = min(FILL_DRAFTS_MOST, tokens // max(rows, 1) - 1)
+    return fill if fill > k else 0
 
 
 def plan_drafts(decode: tuple[Sequence, ...], k: int, room: int, context_length: int, fill: int = 0

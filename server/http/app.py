@@ -59,8 +59,9 @@ def routes() -> list[Route]:
 
 
 class HttpMiddleware:
-    """Counts every response by route template and status (but scrapes and probes), enforces API keys when configured, and answers
-    any exception with that request's error response (never a crash, never a plain-text 500)."""
+    """Counts every response by route template and status (but scrapes and probes), enforces API keys when
+    configured, and answers any exception with that request's error response (never a crash, never a plain-text
+    500)."""
 
     def __init__(self, app: ASGIApp, state: AppState) -> None:
         self.app = app

@@ -123,8 +123,8 @@ def test_prompts_get_what_the_drafts_leave_of_the_budget() -> None:
 
 def test_fill_drafts_fills_the_bucket_the_rows_take_anyway() -> None:
     cases = ((1, 8), (2, 8), (3, 16), (4, 16), (5, 32), (1, 64), (16, 64))  # (rows, token bucket), K = 3
-    assert [fill_drafts(3, rows, tokens) for rows, tokens in cases] == [7, 3, 4, 3, 5, FILL_DRAFTS_MOST, 3]
-    assert fill_drafts(5, 4, 16) == 5  # never fewer than K
+    assert [fill_drafts(3, rows, tokens) for rows, tokens in cases] == [7, 0, 4, 0, 5, FILL_DRAFTS_MOST, 0]
+    assert fill_drafts(5, 4, 16) == 0  # no more than K: each row keeps its own limit
 
 
 def test_a_lone_row_fills_its_verify_bucket_with_drafts_and_keeps_k_beside_a_prompt() -> None:
