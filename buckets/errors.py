@@ -1,4 +1,5 @@
-"""The errors of the shape policy: bad sizes, a request too long for the table, a batch too large for it."""
+"""The errors of the shape policy: bad sizes, a request too long for the table, a batch too large for it, a full
+waiting queue."""
 
 from __future__ import annotations
 
@@ -24,3 +25,14 @@ class BatchTooLargeError(ValueError):
         self.rows = rows
         self.limit = limit
         super().__init__(f"batch of {rows} rows exceeds the largest batch bucket {limit}")
+
+
+class QueueFullError(RuntimeError):
+    """Admission refused (429): the scheduler's waiting queue is at its request or token limit. The engine adds
+    its estimate of when to retry (`retry_after`, seconds); the scheduler alone cannot know it."""
+
+    def __init__(self, reason: str, limit: int, retry_after: float | None = None) -> None:
+        self.reason = reason  # "requests" | "tokens"
+        self.limit = limit
+        self.retry_after = retry_after
+        super().__init__(f"server busy: the waiting queue is at its limit of {limit} {reason}")

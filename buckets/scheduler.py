@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 
+from buckets.errors import QueueFullError
 from buckets.prefix_cache import SlotPrefixes
 from buckets.speculation import fill_drafts, plan_drafts
 from buckets.step_sizing import solo_prompt, trimmed
@@ -44,17 +45,6 @@ __all__ = ["ChunkStep", "DecodeStep", "MixedStep", "Piece", "PrefillStep", "Queu
 WAITING_SERVED_RATIO = 1.0  # on: see Scheduler.waiting_served_ratio and docs/performance.md (session 46)
 
 
-class QueueFullError(RuntimeError):
-    """Admission refused (429): the waiting queue is at its request or token limit. The engine adds its
-    estimate of when to retry (`retry_after`, seconds); the scheduler alone cannot know it."""
-
-    def __init__(self, reason: str, limit: int, retry_after: float | None = None) -> None:
-        self.reason = reason  # "requests" | "tokens"
-        self.limit = limit
-        self.retry_after = retry_after
-        super().__init__(f"server busy: the waiting queue is at its limit of {limit} {reason}")
-
-
 @dataclass
 class Scheduler:
     table: BucketTable
@@ -63,12 +53,9 @@ class Scheduler:
     policy: str = "continuous"  # "static": run-to-completion batches (what many static-shape servers do)
     # Mixed steps: when the prompts that could start now (free slots permitting) plus a prompt mid-chunk number at
     # least this many times the decoding rows, a step carries up to the solo budget instead of the mixed budget:
-    # fewer, larger prompt steps (faster per token) while many wait, each holding the decoding rows longer. 0: off
-    # (the mixed budget whenever a row decodes); 1, the default: as many waiting as decoding (one long prompt
-    # against one decoding row counts; a round of arrivals is admitted together, as vLLM's are, and the clients
-    # stay in step: +5% output tokens/s at 8 and 16 clients, a lower TTFT p90, the same ITL p99, session 46);
-    # 0.05: nearly always (vLLM's one token budget for every step: ITL p99 2-3x). Named after TGI's
-    # setting, which trades the same thing differently (there it gates when a new prefill batch may join; 0: always).
+    # a round of arrivals is taken together (as vLLM's are) and the clients stay in step. 1 (the default): as many
+    # waiting as decoding; 0: off (the mixed budget whenever a row decodes); 0.05: nearly always (vLLM's one
+    # budget); docs/performance.md has the measurements. Named after TGI's setting (there it gates a prefill batch).
     waiting_served_ratio: float = WAITING_SERVED_RATIO
     prefix_caching: bool = False
     speculative_tokens: int = 0  # the most drafts a row carries (0: off); the table's draft_rows bound a step's
