@@ -265,9 +265,9 @@ class Scheduler:
         k = self.speculative_tokens
         if not k:
             return ()
-        most = fill_drafts(k, len(decode), self.table.verify_for(min(len(decode) * (1 + k), self.table.mixed_budget))) \
+        filled = fill_drafts(k, len(decode), self.table.verify_for(min(len(decode) * (1 + k), self.table.mixed_budget))) \
             if fill else 0
-        return plan_drafts(decode, k, self.table.draft_rows, self.table.context_length, most)
+        return plan_drafts(decode, k, self.table.draft_rows, self.table.context_length, filled)
 
     def _take(self, seq: Sequence, slot: int, reuse: int = 0) -> None:
         """`seq` starts in `slot`, whose first `reuse` positions already hold its prompt's K/V."""

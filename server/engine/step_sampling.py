@@ -55,7 +55,10 @@ def sample_step(runner: ModelRunner, seqs: tuple[Sequence, ...], samplers: list[
     live = [(i, s) for i, s in enumerate(samplers) if s is not None]
     on_device = [(i, s) for i, s in live if not _needs_host(s)]
     host = [(i, s) for i, s in live if _needs_host(s)]
-    graph = [(i, s) for i, s in on_device if _needs_graph(s)]
+    graph: list[tuple[int, Sampler]] = []
+    plain: list[tuple[int, Sampler]] = []
+    for i, s in on_device:
+        (graph if _needs_graph(s) else plain).append((i, s))
     if graph:
         logits, at = _graph_rows(runner, out, [out.rows[i] for i, _ in graph])
         rows: list[tuple[float, int, float, float, int, int] | None] = [None] * logits.shape[0]
@@ -80,7 +83,6 @@ def sample_step(runner: ModelRunner, seqs: tuple[Sequence, ...], samplers: list[
                 k = s.params.logprobs
                 top = tuple(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist())) if k else ()
                 results[i] = SampledToken(int(ids[r]), float(chosen[r]) if k is not None else None, top)
-    plain = [(i, s) for i, s in on_device if not _needs_graph(s)]
     if plain:
         greedy = greedy_ids(out.logits)
         for i, _ in plain:
