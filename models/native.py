@@ -150,3 +150,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
                                         eps, threads):
         return None
     return out
+
+
+def argmax(logits: torch.Tensor) -> list[int] | None:
+    """logits [rows, V] (bf16 or fp32, CPU, unit stride along V) -> each row's first maximum, as
+    torch.max(dim=-1).indices (a row with a NaN: its first NaN), from models/csrc/argmax.c; None where the kernels
+    are off or do not take the tensor (the caller uses torch.max)."""
+    if (logits.dim() != 2 or logits.device.type != "cpu" or logits.dtype not in ATTENTION_DTYPES
+            or logits.stride(1) != 1 or not logits.shape[1] or not available()):
+        return None
+    stride = logits.stride(0) if logits.shape[0] > 1 else logits.shape[1]
+    out = np.empty(logits.shape[0], dtype=np.int64)
+    status: int = _lib().bucketserve_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1],
+                                            stride,
+                                            int(logits.dtype == torch.float32), out.ctypes.data, _threads() or 1)
+    return out.tolist() if status == 0 else None

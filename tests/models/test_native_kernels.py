@@ -426,3 +426,45 @@ def test_mask_extents_scan_equals_the_numpy_scan(dtype: torch.dtype, monkeypatch
     monkeypatch.setitem(native_library._switch, "on", True)
     prefixes = mask[[0, 1, 5]]
     assert _extents(prefixes) == ((5, 1, width), True)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [2, 9, 16])
+def test_amx_matmul_gives_a_row_the_same_bits_whatever_rows_share_the_call(rows: int, out_features: int,
+                                                                          in_features: int, threads: int) -> None:
+    """Up to 16 rows take column groups in pairs (two streams from memory); a row's sums run in the same order as in
+    a call of more rows, so its output is the same bits: a greedy row's tokens do not depend on the step's size."""
+    _amx_or_skip()
+    torch.manual_seed(rows + out_features)
+    x = torch.randn(40, in_features).bfloat16()
+    packed = native_matmul._tiled((torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16())
+    few, many = native_matmul.amx_matmul(x[:rows], packed), native_matmul.amx_matmul(x, packed)
+    assert few is not None and many is not None
+    assert torch.equal(few, many[:rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [5, 16, 49152, 49157])
+def test_argmax_equals_torch_max_indices(dtype: torch.dtype, vocab: int, threads: int) -> None:
+    """The greedy kernel against torch.max's indices: ties (the first), a NaN anywhere (the first NaN: at 0, in the
+    vector part, in the tail past the last 16), -inf rows, -0.0 beside +0.0, rows strided inside a wider tensor."""
+    if not native.available():
+        pytest.skip("no native kernels here")
+    torch.manual_seed(vocab)
+    wide = torch.randn(10, vocab + 3).to(dtype)
+    logits = wide[:, :vocab]  # row stride vocab + 3
+    last = vocab - 1
+    logits[1, [0, last]] = 50.0
+    logits[2, :] = 0.0
+    logits[2, 0] = -0.0
+    logits[3, [min(3, last), last]] = float("nan")
+    logits[4, 0] = float("nan")
+    logits[5, last] = float("nan")
+    logits[6, :] = float("-inf")
+    logits[7, last] = 99.0
+    logits[8, [1 % vocab, last]] = float("inf")
+    got = native.argmax(logits)
+    assert got == logits.max(dim=-1).indices.tolist()
+    assert got[1] == 0 and got[2] == 0 and got[4] == 0 and got[5] == last and got[6] == 0 and got[7] == last
+    assert native.argmax(logits[:1]) == got[:1]
+    assert native.argmax(logits.half()) is None  # not a dtype it takes: the caller's torch.max

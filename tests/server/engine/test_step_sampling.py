@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from buckets.scheduler import Sequence
+from models import native
 from models.params import SamplingParams
 from models.runner import ModelRunner
 from models.sampling import SampledToken, Sampler
@@ -28,6 +29,13 @@ def test_greedy_ids_equal_argmax_with_ties_and_nans(dtype: torch.dtype) -> None:
     ids = greedy_ids(logits)
     assert ids == logits.argmax(dim=-1).tolist()
     assert ids[1:] == [7, 0, 5, 100, 49151]
+    was = native.enabled()
+    native.configure(False)  # --no-native-kernels (and devices other than the CPU): torch.max's indices
+    try:
+        assert native.argmax(logits) is None
+        assert greedy_ids(logits) == ids
+    finally:
+        native.configure(was)
 
 
 class _FailingGraph:
