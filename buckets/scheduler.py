@@ -34,7 +34,7 @@ from itertools import islice
 
 from buckets.errors import QueueFullError
 from buckets.prefix_cache import SlotPrefixes
-from buckets.speculation import fill_drafts, plan_drafts
+from buckets.speculation import step_drafts
 from buckets.step_sizing import solo_prompt, trimmed
 from buckets.steps import ChunkStep, DecodeStep, MixedStep, Piece, PrefillStep, Sequence, Step
 from buckets.table import BucketTable
@@ -260,14 +260,7 @@ class Scheduler:
         return MixedStep(bucket, decode, tuple(pieces), tuple(copies), drafts)
 
     def _drafts(self, decode: tuple[Sequence, ...], fill: bool = False) -> tuple[tuple[int, ...], ...]:
-        """With `fill` (a step of decoding rows alone), a row's drafts may fill the token bucket that the rows and K
-        drafts each take; beside prompt pieces they stay at K (prompt tokens take the rest of the budget)."""
-        k = self.speculative_tokens
-        if not k:
-            return ()
-        filled = fill_drafts(k, len(decode), self.table.verify_for(min(len(decode) * (1 + k), self.table.mixed_budget))) \
-            if fill else 0
-        return plan_drafts(decode, k, self.table.draft_rows, self.table.context_length, filled)
+        return step_drafts(decode, self.speculative_tokens, self.table, fill)
 
     def _take(self, seq: Sequence, slot: int, reuse: int = 0) -> None:
         """`seq` starts in `slot`, whose first `reuse` positions already hold its prompt's K/V."""
@@ -302,15 +295,11 @@ class Scheduler:
         free.remove(slot)
         return slot, source, reuse
 
-    def _match(self, prompt: tuple[int, ...], slot: int, free: list[int]) -> tuple[int, int]:
-        """(source slot, tokens) of the longest reusable prefix of `prompt`, which takes `slot`."""
-        return self._prefixes.source(prompt, slot, free, self.running) if self._prefixes else (-1, 0)
-
     def _head_hits(self, free: list[int]) -> bool:
         """The next waiting prompt has a reusable prefix: it starts by mixed steps, from where the match ends."""
         if self._prefixes is None or not (free and self.waiting):
             return False
-        return self._match(self.waiting[0].prompt_ids, free[0], free[1:])[1] > 0
+        return self._prefixes.source(self.waiting[0].prompt_ids, free[0], free[1:], self.running)[1] > 0
 
     def _chunk(self, seq: Sequence) -> ChunkStep:
         c = self.table.chunk_length

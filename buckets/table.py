@@ -8,10 +8,11 @@ tested in milliseconds.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator
 
+from buckets import table_file
 from buckets.defaults import DEFAULT_MIN_LENGTH, MIN_VERIFY_TOKENS, MIXED_TOKEN_BUDGET, default_kv_lengths
 from buckets.errors import BatchTooLargeError, BucketError, PromptTooLongError
 from buckets.graph_key import GraphKey, Phase
@@ -266,61 +267,16 @@ class BucketTable:
         )
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "lengths": list(self.lengths),
-            "batch_sizes": list(self.batch_sizes),
-            "prefill_batch_sizes": list(self.prefill_batch_sizes),
-            "context_length": self.context_length,
-            "kv_lengths": list(self.kv_lengths),
-            "chunked_prefill": self.chunked_prefill,
-            "mixed_tokens": list(self.mixed_tokens),
-            "max_step_tokens": self.max_step_tokens,
-            "draft_rows": self.draft_rows,
-        }
+        """The table as JSON values (buckets/table_file.py reads it back)."""
+        return {f.name: list(v) if isinstance(v, tuple) else v for f in fields(self) for v in [getattr(self, f.name)]}
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> BucketTable:
-        unknown = set(data) - {"lengths", "batch_sizes", "prefill_batch_sizes", "context_length", "kv_lengths",
-                              "chunked_prefill", "mixed_tokens", "max_step_tokens", "draft_rows"}
-        if unknown:
-            raise BucketError(f"unknown bucket fields: {sorted(unknown)}")
-        if "lengths" not in data:
-            raise BucketError("a bucket table needs 'lengths'")
-
-        def ints(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
-            value = data.get(name, list(default))
-            if not isinstance(value, list):
-                raise BucketError(f"{name} must be a list of integers, got {value!r}")
-            return tuple(value)
-
-        context, step, drafts = data.get("context_length", 0), data.get("max_step_tokens", 0), data.get("draft_rows", 0)
-        if not isinstance(context, int):
-            raise BucketError(f"context_length must be an integer, got {context!r}")
-        if not isinstance(step, int):
-            raise BucketError(f"max_step_tokens must be an integer, got {step!r}")
-        if not isinstance(drafts, int):
-            raise BucketError(f"draft_rows must be an integer, got {drafts!r}")
-        return cls(
-            lengths=ints("lengths", ()),
-            batch_sizes=ints("batch_sizes", (1,)),
-            prefill_batch_sizes=ints("prefill_batch_sizes", (1,)),
-            context_length=context,
-            kv_lengths=ints("kv_lengths", ()),
-            chunked_prefill=bool(data.get("chunked_prefill", False)),
-            mixed_tokens=ints("mixed_tokens", ()),
-            max_step_tokens=step,
-            draft_rows=drafts,
-        )
+        return table_file.from_dict(cls, data)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> BucketTable:
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise BucketError(f"{path}: not valid JSON ({exc})") from exc
-        if not isinstance(data, dict):
-            raise BucketError(f"{path}: expected a JSON object with 'lengths'")
-        return cls.from_dict(data)
+        return table_file.load(cls, path)

@@ -19,7 +19,7 @@ its own position. So we keep our own storage and hand the stock models two thin 
 
 - `MixedCache` (one per mixed token bucket T): tokens of any slots on one axis ([1, H, T, D]); `update` writes
   token t at (slot[t], position[t]) (padding tokens go to a spare slot no one reads) and returns the whole
-  buffers; the attention op reads each token's slot up to its position (models/attention.py).
+  buffers; the attention op reads each token's slot up to its position (models/mixed_attention.py).
 
 Every tensor a graph sees is a prefix view of a preallocated buffer (offset 0, fixed strides), so graphs
 are keyed by shape only, and inductor updates the buffers in place instead of copying whole caches.

@@ -35,6 +35,7 @@ def run(dtype_name: str, rounds: int, repeats: int, cache_dir: str) -> dict[str,
     import torch.nn.functional as F
 
     import models.attention as attention
+    import models.mixed_attention as mixed
     from models.native import piece_attention
     from models.runner import PrefillRow
     from server.compose import build_model
@@ -75,10 +76,10 @@ def run(dtype_name: str, rounds: int, repeats: int, cache_dir: str) -> dict[str,
     steps: dict[str, dict[str, list[float]]] = {m: {c: [] for c in cases} for m in modes}
     for _ in range(rounds):
         for mode, fn in modes.items():
-            attention.piece_attention = fn  # type: ignore[assignment]
+            attention.piece_attention = mixed.piece_attention = fn  # type: ignore[assignment]
             for case, call in cases.items():
                 steps[mode][case].append(median_ms(call, repeats))
-    attention.piece_attention = piece_attention
+    attention.piece_attention = mixed.piece_attention = piece_attention
 
     # One layer's attention of a 256-token piece at position `start`, SmolLM2's heads (9 over 3 KV heads, D 64).
     torch.manual_seed(0)

@@ -16,8 +16,9 @@ from models.mesh import MeshSpec
 from server.config import ServerSettings
 from server.engine.engine import Engine
 from server.engine.model import EngineModel
-from server.metrics.hooks import MetricsHooks, SafeHooks
+from server.metrics.hooks import MetricsHooks
 from server.metrics.prometheus import Metrics
+from server.metrics.safe_hooks import SafeHooks
 
 log = logging.getLogger("bucketserve.serve")
 

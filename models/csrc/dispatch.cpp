@@ -315,7 +315,7 @@ at::Tensor rms_kernel(const at::Tensor &x, const at::Tensor &weight, double eps)
     return at::mul(weight, normed.to(xc.scalar_type())).to(xc.scalar_type()).contiguous();
 }
 
-// One call of a mixed step (attention.mixed_plan's Call): tokens [first, last); a prompt piece of slots[0] at
+// One call of a mixed step (mixed_attention.mixed_plan's Call): tokens [first, last); a prompt piece of slots[0] at
 // consecutive positions from ext[0], or (decoding) one row a token, row i attending [0, ext[i]) of slot slots[i].
 struct Call {
     int64_t first, last;
@@ -323,7 +323,7 @@ struct Call {
     bool decoding;
 };
 
-// meta: the (slot, position) pairs of a mixed step's tokens -> its calls, as attention.mixed_plan (padding tokens,
+// meta: the (slot, position) pairs of a mixed step's tokens -> its calls, as mixed_attention.mixed_plan (padding tokens,
 // slot `spare`, left out; runs of one slot up to SHORT_RUN tokens go as decoding rows). `runs`: runs of 2..SHORT_RUN
 // tokens (a verify step's row and its drafts) are calls of their own, which mixed_kernel hands to run_attention.c
 // (bf16 on AMX tiles: the run's tokens read the slot's K/V together; 16 runs of 4 tokens at ~300 positions 585 us

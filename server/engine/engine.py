@@ -34,7 +34,8 @@ from server.engine.interface import (
 from server.engine.model import CacheMissingError, EngineModel
 from server.engine.request_book import RequestBook
 from server.engine.step_sampling import verify_drafts
-from server.metrics.hooks import MetricsHooks, SafeHooks
+from server.metrics.hooks import MetricsHooks
+from server.metrics.safe_hooks import SafeHooks
 
 __all__ = ["Engine"]  # its errors and events: server/engine/interface.py
 

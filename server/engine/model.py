@@ -30,7 +30,8 @@ from server.config import DEFAULT_MAX_MODEL_LEN, ServerSettings, SettingsError
 from server.engine.mesh import EngineMesh
 from server.engine.step_sampling import StepLogits, sample_step
 from server.engine.warmup_counter import WarmupCounter
-from server.metrics.hooks import MetricsHooks, SafeHooks
+from server.metrics.hooks import MetricsHooks
+from server.metrics.safe_hooks import SafeHooks
 
 log = logging.getLogger("bucketserve.warmup")
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 from buckets.scheduler import Scheduler
 from server.engine.active_request import ActiveRequest
 from server.engine.interface import TokenEvent
-from server.metrics.hooks import SafeHooks
+from server.metrics.safe_hooks import SafeHooks
 
 
 def retry_after_seconds(finished: Iterable[float], now: float, waiting: int) -> float:

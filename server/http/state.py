@@ -16,7 +16,8 @@ from buckets import PromptTooLongError
 from server.config import ServerSettings
 from server.engine.interface import EngineAPI, Tokenizer
 from server.http.errors import ApiError, bad_param
-from server.metrics.hooks import SafeHooks, ServedMetrics
+from server.metrics.hooks import ServedMetrics
+from server.metrics.safe_hooks import SafeHooks
 
 log = logging.getLogger("bucketserve.http")
 MODEL_ALIASES = ("tgi",)  # the text-generation client's chat() hard-codes model="tgi"

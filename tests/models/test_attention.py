@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from models.attention import packed_sdpa, segments
+from models.attention import packed_sdpa
+from models.row_segments import segments
 
 
 class FakeAttention(torch.nn.Module):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from buckets import BucketTable, GraphKey
-from models.attention import mixed_plan
 from models.compile import CompileSettings
 from models.generator import generate_one
 from models.loading import load_model
+from models.mixed_attention import mixed_plan
 from models.runner import ModelRunner, PrefillRow
 from models.sampling import SamplingParams
 from tests.models.test_runner import reference, warmed

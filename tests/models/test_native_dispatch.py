@@ -275,7 +275,7 @@ def test_mixed_attention_gives_the_python_kernels_bits(installed: None, dtype: t
     """Mixed steps: decoding runs of consecutive slots, prompt pieces from position 0 and from further on, padding
     tokens (the spare slot), a query that is a view (the graph's transpose), and what the C++ path hands to the
     Python kernel whole (a head size the prompt kernel does not take, float16)."""
-    from models.attention import _mixed_attention_cpu
+    from models.mixed_attention import _mixed_attention_cpu
 
     monkeypatch.setitem(native_library._switch, "on", on)
     torch.manual_seed(10)
@@ -296,7 +296,7 @@ def test_mixed_attention_gives_the_python_kernels_bits(installed: None, dtype: t
         want = _mixed_attention_cpu(q, k, v, meta, dim ** -0.5)
         assert torch.equal(got, want) and got.stride() == want.stride() == q.stride(), name  # the fake's strides
     general: list[int] = []  # the C++ kernel's hand-overs to the Python one
-    import models.attention as attention_module
+    import models.mixed_attention as attention_module
 
     real_plan = attention_module.mixed_plan
 

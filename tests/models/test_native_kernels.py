@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import models.attention as attention_module
 from models import native, native_library, native_matmul
-from models.attention import _mixed_attention_cpu, mixed_plan, packed_sdpa
+from models.attention import packed_sdpa
+from models.mixed_attention import _mixed_attention_cpu, mixed_plan
 from models.prepack import linear_cpu, prepack
 from tests.models.test_attention import FakeAttention
 
@@ -113,6 +114,7 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     for name in ("decode_attention", "decode_attention_masked"):
         monkeypatch.setattr(f"models.attention.{name}", counting(name))
+    monkeypatch.setattr("models.mixed_attention.decode_attention", counting("decode_attention"))
     # the op's Python kernel, which these tests watch (its C++ one chooses alike: tests/models/test_native_dispatch.py)
     monkeypatch.setattr(torch.ops.bucketserve, "attention", attention_module._attention_cpu)
     return calls

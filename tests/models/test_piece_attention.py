@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from models import native, native_library, native_matmul
-from models.attention import _causal_attention_cpu, _mixed_attention_cpu, packed_sdpa, register
+from models.attention import _causal_attention_cpu, packed_sdpa, register
+from models.mixed_attention import _mixed_attention_cpu
 from tests.models.test_attention import FakeAttention
 from tests.models.test_native_kernels import threads  # noqa: F401 (the fixture: 1 and 2 threads)
 
@@ -108,6 +109,7 @@ def piece_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         return ran
 
     monkeypatch.setattr("models.attention.piece_attention", counted)
+    monkeypatch.setattr("models.mixed_attention.piece_attention", counted)
     return calls
 
 

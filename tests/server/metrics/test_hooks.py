@@ -10,8 +10,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from buckets import GraphKey
-from server.metrics.hooks import MetricsHooks, NoMetrics, SafeHooks
+from server.metrics.hooks import MetricsHooks, NoMetrics
 from server.metrics.prometheus import Metrics
+from server.metrics.safe_hooks import SafeHooks
 from tests.support.tiny import TINY_TABLE
 
 NOT_HOOKS = {"render"}  # Metrics' exposition for GET /metrics (ServedMetrics), not a hook
