@@ -9,12 +9,12 @@ step is nothing but these costs, ran a step in 3.5 ms (Python kernels) against 2
 How: the library is compiled once per machine, torch version and source with the C++ compiler against torch's
 headers (~7 s), kept beside the native kernels in the compile cache, and loaded with `torch.ops.load_library`.
 `install()` then swaps the op kernels: the Python ones (registered on PY_CPU by models/prepack.py,
-models/gated_mlp.py, models/attention.py and models/mixed_attention.py) are removed and the C++ ones registered; the packed weights' entries
-(models/prepack.py's Packed: oneDNN's copy and which native kernel each step size reads) are mirrored into the
-library as they are made and dropped as their weights are freed. The C++ kernels make the same choices as the
-Python ones, so the outputs are the same bits; where attention's one-call decode path declines, its C++ kernel
-calls the rest of the Python one (`bucketserve::attention_general`). The C++ linear and gated MLP also leave
-rows of zeros out of the tiled kernels' calls (a decode batch's free slots: dispatch.cpp's on_live_rows); the
+models/gated_mlp.py, models/attention.py and models/mixed_attention.py) are removed and the C++ ones registered; the
+packed weights' entries (models/prepack.py's Packed: oneDNN's copy and which native kernel each step size reads) are
+mirrored into the library as they are made and dropped as their weights are freed. The C++ kernels make the same
+choices as the Python ones, so the outputs are the same bits; where attention's one-call decode path declines, its
+C++ kernel calls the rest of the Python one (`bucketserve::attention_general`). The C++ linear and gated MLP also
+leave rows of zeros out of the tiled kernels' calls (a decode batch's free slots: dispatch.cpp's on_live_rows); the
 Python ones compute those rows, to the same zeros. Where the library cannot be built (no C++ compiler, no torch
 headers) the Python kernels stay, with a warning.
 """

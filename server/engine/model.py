@@ -28,6 +28,7 @@ from models.sampling import SampledToken, Sampler, SamplingParams
 from models.step_plan import rank_runner
 from server.config import DEFAULT_MAX_MODEL_LEN, ServerSettings, SettingsError
 from server.engine.mesh import EngineMesh
+from server.engine.mixed_inputs import mixed_inputs
 from server.engine.step_sampling import StepLogits, sample_step
 from server.engine.warmup_counter import WarmupCounter
 from server.metrics.hooks import MetricsHooks
@@ -224,35 +225,14 @@ class EngineModel:
         assert self.runner is not None
         for source, target, n in step.copies:  # prefix caching: reused K/V, before the step reads it
             self.runner.copy_prefix(source, target, n)
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        keep: list[int] = []
-        extra: list[int] = []  # a verify step's draft tokens, whose logits follow the max batch's rows
-        for i, seq in enumerate(step.decode):
-            drafts = step.drafts[i] if step.drafts else ()
-            keep.append(len(ids))
-            extra += range(len(ids) + 1, len(ids) + 1 + len(drafts))
-            ids += (seq.last_token, *drafts)
-            positions += range(seq.position, seq.position + 1 + len(drafts))
-            slots += [seq.slot] * (1 + len(drafts))
-        for piece in step.pieces:
-            ids += prompt_of(piece.seq.request_id)[piece.offset : piece.offset + piece.num_tokens]
-            positions += range(piece.offset, piece.offset + piece.num_tokens)
-            slots += [piece.seq.slot] * piece.num_tokens
-            if piece.is_final:
-                keep.append(len(ids) - 1)
-        rows = self.table.verify_rows if step.drafts else self.table.max_batch
-        sampled = len(keep)
-        if step.drafts:
-            keep += [-1] * (self.table.max_batch - sampled) + extra
-        logits = self.runner.mixed(step.tokens, ids, positions, slots, keep, rows)
-        self.metrics.mixed_done(GraphKey("verify" if step.drafts else "mixed", rows, step.tokens), len(step.decode),
+        t = mixed_inputs(step, prompt_of, self.table)
+        logits = self.runner.mixed(step.tokens, t.ids, t.positions, t.slots, t.keep, t.rows)
+        self.metrics.mixed_done(GraphKey("verify" if step.drafts else "mixed", t.rows, step.tokens), len(step.decode),
                                 step.padding_tokens, time.perf_counter() - t0)
         if step.drafts:  # [max batch, V] to sample from (the sampling graph's rows), [drafts, V] to verify
             b = self.table.max_batch
-            return StepLogits(logits[:b], list(range(sampled)), logits[b : b + len(extra)])
-        return StepLogits(logits, list(range(sampled)))
+            return StepLogits(logits[:b], list(range(t.sampled)), logits[b : b + t.drafts])
+        return StepLogits(logits, list(range(t.sampled)))
 
     def sample(self, seqs: tuple[Sequence, ...], samplers: list[Sampler | None], out: StepLogits
                ) -> list[SampledToken | Exception | None]:
