@@ -53,7 +53,7 @@ HTTP_MODULES = ("server.http.app", "server.http.protocol", "server.http.protocol
                 "server.http.routes_openai", "server.http.routes_tgi", "server.http.state", "server.http.runs",
                 "server.http.routes_misc", "server.http.routes_openapi", "server.http.detokenizer",
                 "server.http.stop_strings", "server.http.format_openai", "server.http.format_tgi",
-                "server.engine.interface", "server.metrics.hooks")
+                "server.engine.interface", "server.metrics.hooks", "server.metrics.safe_hooks")
 MODEL_STACK = ("torch", "transformers", "models.runner", "models.sampling", "server.engine.engine",
                "server.engine.model", "prometheus_client")
 
@@ -86,9 +86,10 @@ STDLIB = sys.stdlib_module_names
 SERVER_LAYERS: dict[str, tuple[set[str], tuple[str, ...]]] = {
     "server/http": ({"torch", "transformers", "uvicorn", "prometheus_client", "numpy"},
                     ("buckets", "models.params", "server.config", "server.engine.interface", "server.http.",
-                     "server.metrics.hooks")),
+                     "server.metrics.hooks", "server.metrics.safe_hooks")),
     "server/engine": ({"starlette", "pydantic", "uvicorn", "prometheus_client", "anyio", "httpx"},
-                      ("buckets", "models", "server.config", "server.engine.", "server.metrics.hooks")),
+                      ("buckets", "models", "server.config", "server.engine.", "server.metrics.hooks",
+                       "server.metrics.safe_hooks")),
     "server/metrics": ({"torch", "transformers", "starlette", "pydantic", "uvicorn", "anyio", "httpx", "numpy",
                         "tokenizers"},
                        ("buckets", "server.metrics.")),

@@ -227,10 +227,7 @@ class Engine:
                         self._book.publish_load()
                         self._wake.wait(0.5)
                         continue
-                    if isinstance(step, (PrefillStep, MixedStep)):
-                        prompts = self._start(step)
-                    else:
-                        prompts = self._prompts(step)
+                    prompts = self._book.prompts(step)
                     stalls = self._scheduler.num_decoding if isinstance(step, (PrefillStep, ChunkStep)) else 0
                 for rid in expired:
                     self.abort(rid, "timeout", "request timed out")
@@ -245,28 +242,6 @@ class Engine:
             self.fail(f"{type(exc).__name__}: {exc}")
         finally:
             self.model.close()
-
-    def _start(self, step: PrefillStep | MixedStep) -> dict[str, list[int]]:
-        """Lock held: the prompts of a prefill or mixed step, and the queue time of the requests it starts."""
-        now = time.monotonic()
-        prompts = {}
-        starting = step.seqs if isinstance(step, PrefillStep) else [p.seq for p in step.pieces]
-        for seq in starting:
-            active = self._active[seq.request_id]
-            prompts[seq.request_id] = active.prompt_ids
-            if not active.started:  # a mixed step's piece may continue a prompt begun earlier
-                active.started = True
-                active.handle.cached_tokens = seq.cached  # read by the event loop after this step's events
-                self.metrics.request_started(seq.bucket, now - active.arrival)
-                if self._scheduler.prefix_caching:
-                    self.metrics.prefix_cache(seq.prompt_len, seq.cached)
-        return prompts
-
-    def _prompts(self, step: Step | None) -> dict[str, list[int]]:
-        """Lock held: the prompts a chunk step reads (a decode step reads none)."""
-        if isinstance(step, ChunkStep):
-            return {step.seq.request_id: self._active[step.seq.request_id].prompt_ids}
-        return {}
 
     def _run(self, step: Step, prompts: dict[str, list[int]]) -> None:
         try:

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from buckets.scheduler import Scheduler
+from buckets.scheduler import ChunkStep, MixedStep, PrefillStep, Scheduler, Step
 from server.engine.active_request import ActiveRequest
 from server.engine.interface import TokenEvent
 from server.metrics.safe_hooks import SafeHooks
@@ -167,3 +167,23 @@ class RequestBook:
     def publish_load(self) -> None:
         running = self.scheduler.num_running
         self.metrics.set_load(running, self.scheduler.num_waiting, self.max_batch - running)
+
+    def prompts(self, step: Step | None) -> dict[str, list[int]]:
+        """Lock held: the prompts a step reads (a decode step reads none); a prefill or mixed step's requests that
+        start with it are counted started (their queue time, what prefix caching reused)."""
+        if isinstance(step, ChunkStep):
+            return {step.seq.request_id: self.active[step.seq.request_id].prompt_ids}
+        if not isinstance(step, (PrefillStep, MixedStep)):
+            return {}
+        now = time.monotonic()
+        prompts = {}
+        for seq in step.seqs if isinstance(step, PrefillStep) else [p.seq for p in step.pieces]:
+            active = self.active[seq.request_id]
+            prompts[seq.request_id] = active.prompt_ids
+            if not active.started:  # a mixed step's piece may continue a prompt begun earlier
+                active.started = True
+                active.handle.cached_tokens = seq.cached  # read by the event loop after this step's events
+                self.metrics.request_started(seq.bucket, now - active.arrival)
+                if self.scheduler.prefix_caching:
+                    self.metrics.prefix_cache(seq.prompt_len, seq.cached)
+        return prompts
