@@ -161,7 +161,6 @@ def argmax(logits: torch.Tensor) -> list[int] | None:
         return None
     stride = logits.stride(0) if logits.shape[0] > 1 else logits.shape[1]
     out = np.empty(logits.shape[0], dtype=np.int64)
-    status: int = _lib().bucketserve_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1],
-                                            stride,
+    status: int = _lib().bucketserve_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], stride,
                                             int(logits.dtype == torch.float32), out.ctypes.data, _threads() or 1)
     return out.tolist() if status == 0 else None
