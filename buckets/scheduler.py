@@ -242,22 +242,33 @@ class Scheduler:
         pieces: list[Piece] = []
         copies: list[tuple[int, int, int]] = []
         if chunking is not None:
+            # Waiting prompts that fit whole in half the budget start beside a long prompt mid-chunk rather than
+            # behind it (it keeps at least half, so it is at most 2x slower to finish).
+            if chunking.prompt_len - chunking.prefilled > budget:
+                short = budget // 2
+                while self.waiting and free and self.waiting[0].prompt_len <= short:
+                    n = self._admit(free, copies, pieces, short)
+                    short, budget = short - n, budget - n
             n = min(budget, chunking.prompt_len - chunking.prefilled)
             pieces.append(Piece(chunking, chunking.prefilled, n))
             budget -= n
         while budget > 0 and self.waiting and free:
-            seq = self.waiting.popleft()
-            self._waiting_tokens -= seq.prompt_len
-            slot, source, reuse = self._place(seq.prompt_ids, free)
-            if source not in (-1, slot):
-                copies.append((source, slot, reuse))
-            self._take(seq, slot, reuse)
-            n = min(budget, seq.prompt_len - reuse)
-            pieces.append(Piece(seq, reuse, n))
-            budget -= n
+            budget -= self._admit(free, copies, pieces, budget)
         self._last_was_prefill = False  # decoding rows advanced in this step too
         bucket = self.table.verify_for(total - budget) if drafts else self.table.mixed_for(total - budget)
         return MixedStep(bucket, decode, tuple(pieces), tuple(copies), drafts)
+
+    def _admit(self, free: list[int], copies: list[tuple[int, int, int]], pieces: list[Piece], budget: int) -> int:
+        """The head of the queue starts in a free slot with up to `budget` of its prompt tokens; returns how many."""
+        seq = self.waiting.popleft()
+        self._waiting_tokens -= seq.prompt_len
+        slot, source, reuse = self._place(seq.prompt_ids, free)
+        if source not in (-1, slot):
+            copies.append((source, slot, reuse))
+        self._take(seq, slot, reuse)
+        n = min(budget, seq.prompt_len - reuse)
+        pieces.append(Piece(seq, reuse, n))
+        return n
 
     def _drafts(self, decode: tuple[Sequence, ...], fill: bool = False) -> tuple[tuple[int, ...], ...]:
         return step_drafts(decode, self.speculative_tokens, self.table, fill)

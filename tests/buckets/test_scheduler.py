@@ -511,3 +511,21 @@ def test_mixed_workload_completes_fcfs_with_every_token() -> None:
             assert sum(1 for q in s.running.values() if 0 < q.prefilled < q.prompt_len) <= 1
 
     assert run_all(s, seqs, check) == [q.request_id for q in seqs]  # one queue, served in arrival order
+
+
+def test_a_short_prompt_starts_beside_a_long_one_mid_chunk() -> None:
+    """A waiting prompt that fits whole in half a mixed step's prompt budget starts beside a prompt mid-chunk that
+    would take the whole budget, instead of waiting for its last chunk; the long prompt keeps the rest."""
+    s = Scheduler(MIXED)  # budget 16: one decoding row and 15 prompt tokens
+    step = _one_decoding_row_and(s, [seq("long", 40), seq("short", 5), seq("eight", 8)])
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("long", 0, 15)]  # FCFS start
+    s.update(step, {"a": 7})
+    step = s.schedule()
+    assert isinstance(step, MixedStep)
+    # "short" (5 <= 15 // 2) starts whole; "eight" (8 > the 2 tokens left of the half) waits; "long" takes the rest
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("short", 0, 5), ("long", 15, 10)]
+    s.update(step, {"a": 7, "short": 7})
+    step = s.schedule()
+    assert isinstance(step, MixedStep)
+    # two rows decode (budget 14): "eight" is more than half of it and waits; "long" takes it all
+    assert [(p.seq.request_id, p.offset, p.num_tokens) for p in step.pieces] == [("long", 25, 14)]
