@@ -14,6 +14,8 @@ Chunked prefill (when the table has it): a prompt longer than the chunk length t
 one chunk per step, its first chunk by a PrefillStep and the rest by ChunkSteps; between two of its chunks a
 decode step runs whenever any row is decoding, so a decode row never waits for more than one chunk. The
 chunking request is older than anything waiting, so it goes first (FCFS); it can be aborted between chunks.
+In a mixed step, though, a waiting prompt that fits whole in half the step's prompt budget starts beside a prompt
+mid-chunk that would take all of it (docs/performance.md, session 47). Prompts still start in arrival order.
 Finished or aborted sequences free their slot at once.
 
 Prefix caching (`prefix_caching`, mixed steps only): a freed slot keeps its K/V, and a new prompt that begins
