@@ -4,6 +4,7 @@ field checked for its type, unknown fields refused."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,13 +13,10 @@ from buckets.errors import BucketError
 if TYPE_CHECKING:
     from buckets.table import BucketTable
 
-FIELDS = frozenset({"lengths", "batch_sizes", "prefill_batch_sizes", "context_length", "kv_lengths", "chunked_prefill",
-                    "mixed_tokens", "max_step_tokens", "draft_rows"})
-
 
 def from_dict(cls: type[BucketTable], data: dict[str, object]) -> BucketTable:
     """`data` (BucketTable.to_dict's shape; missing fields take their defaults) -> a table of class `cls`."""
-    unknown = set(data) - FIELDS
+    unknown = set(data) - {f.name for f in fields(cls)}
     if unknown:
         raise BucketError(f"unknown bucket fields: {sorted(unknown)}")
     if "lengths" not in data:
