@@ -36,9 +36,12 @@ SMALL_MATMUL_STEP_ROWS = 2
 # Rows the AMX kernel takes (amx_matmul.c): 1.1x oneDNN at 128 rows, 0.96x at 256. One row stays with the small
 # matmul (as fast there, 18.4-18.6 vs 18.4-18.9 ms for SmolLM2's 210 linears, and it needs no AMX).
 AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 128
-# Rows the vector kernel on the tile copy takes where there is no AMX (tiled_matmul.c; AMD EPYC, the 211 weights of
-# a SmolLM2 step: 64 rows 79 ms against oneDNN's 89, 272 rows 337 against 343: even from there on).
-TILED_MAX_ROWS = 128
+# Rows the vector kernel on the tile copy takes where there is no AMX (tiled_matmul.c): every step size. SmolLM2's
+# 210 layer weights, one thread: on a Zen 4 EPYC 64 rows 79 ms against oneDNN's 89, 272 rows 337 against 343; on a
+# Zen 5 EPYC (docs/performance.md, session 48) 128 / 256 / 512 / 1024 rows 56 / 108 / 218 / 431 ms against 62 / 116 /
+# 223 / 512: the kernel runs at the core's bf16 dot-product peak (~500 of ~520 GFLOP/s) at any size, and cutting a
+# large step into row blocks of 64-512 measured the same.
+TILED_MAX_ROWS = 1 << 16
 # Rows of float32 steps the fp32 vector kernel takes (tiled_matmul.c, the same CPU and weights in fp32: 1.2x oneDNN
 # at 32 rows, even at 64, 0.97x at 128).
 TILED_F32_MAX_ROWS = 32

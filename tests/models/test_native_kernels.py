@@ -225,8 +225,8 @@ def test_small_matmul_declines_what_it_does_not_take() -> None:
 
 
 def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With AMX, one row: the small matmul, 2-128 rows: the AMX matmul; without, 1-128 rows the vector matmul on
-    the tile copy; more rows (prompts): oneDNN. Each gives the plain linear's result to bf16 rounding. (The op's
+    """With AMX, one row: the small matmul, 2-128 rows: the AMX matmul, more rows (prompts): oneDNN; without, every
+    step size the vector matmul on the tile copy. Each gives the plain linear's result to bf16 rounding. (The op's
     Python kernel; its C++ one makes the same choices: tests/models/test_native_dispatch.py.)"""
     torch.manual_seed(3)
     layer = torch.nn.Linear(64, 96, bias=False).bfloat16().requires_grad_(False)
@@ -242,7 +242,7 @@ def test_prepacked_linears_route_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     if native_matmul.amx_available():
         assert taken == [("tiled", 1), ("amx", 2), ("amx", 4), ("amx", 5), ("amx", 128)]  # 129 rows: oneDNN
     else:
-        assert taken == [("tiled", 1), ("tiled", 2), ("tiled", 4), ("tiled", 5), ("tiled", 128)]  # 129: oneDNN
+        assert taken == [("tiled", 1), ("tiled", 2), ("tiled", 4), ("tiled", 5), ("tiled", 128), ("tiled", 129)]
 
 
 def _counting(taken: list[tuple[str, int]]) -> Callable[[torch.Tensor, native_matmul.Kernel, int], torch.Tensor | None]:
@@ -350,11 +350,25 @@ def test_tiled_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyP
     if not (native.available() and native.has("matmul")):
         pytest.skip("no AVX512-BF16 on this CPU")
     packed = native_matmul._tiled(torch.randn(96, 64).bfloat16())
-    assert native_matmul.tiled_matmul(torch.randn(129, 64).bfloat16(), packed) is None  # a prompt: oneDNN's
+    assert native_matmul.tiled_matmul(torch.randn(0, 64).bfloat16(), packed) is None  # no rows
     assert native_matmul.tiled_matmul(torch.randn(4, 64), packed) is None  # float32: the reference path
     assert native_matmul.tiled_matmul(torch.randn(4, 32).bfloat16(), packed) is None  # K does not match
     monkeypatch.setitem(native_library._switch, "on", False)
     assert native_matmul.tiled_matmul(torch.randn(4, 64).bfloat16(), packed) is None  # --no-native-kernels
+
+
+def test_the_tiled_matmul_gives_a_row_the_same_bits_in_a_prompt_sized_call() -> None:
+    """Without AMX the vector matmul serves every step size (prompts too): a row's output is the same bits whether
+    it is one of 3 rows or of 300 (each sum runs in k order, whatever the other rows)."""
+    if not (native.available() and native.has("matmul")):
+        pytest.skip("no AVX512-BF16 on this CPU")
+    torch.manual_seed(5)
+    packed = native_matmul._tiled(torch.randn(96, 64).bfloat16())
+    x = torch.randn(300, 64).bfloat16()
+    whole = native_matmul.tiled_matmul(x, packed)
+    few = native_matmul.tiled_matmul(x[137:140], packed)
+    assert whole is not None and few is not None
+    assert torch.equal(whole[137:140], few)
 
 
 def test_amx_matmul_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
