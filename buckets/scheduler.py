@@ -24,7 +24,8 @@ by mixed steps (a prefill step starts at position 0); buckets/prefix_cache.py ha
 
 Speculative decoding (`speculative_tokens`, mixed steps only): a decoding row that speculates carries draft tokens
 (buckets/speculation.py) after its last token, in a mixed step (a decode step computes one token a row), and
-`update` then takes each row's list of tokens, which the engine verified.
+`update` then takes each row's list of tokens, which the engine verified. Beside prompts, the drafts take only
+what the prompts that can start leave of the step's budget.
 """
 
 from __future__ import annotations
@@ -237,7 +238,10 @@ class Scheduler:
         total = self.table.solo_budget if big else self.table.mixed_budget
         prompt = (chunking.prompt_len - chunking.prefilled if chunking is not None else 0) \
             + sum(seq.prompt_len for seq in islice(self.waiting, len(free)))  # what can start: free slots
-        drafts = () if big else self._drafts(decode)  # verify graphs go up to the mixed budget
+        # Drafts take only what the prompts leave of the budget: in a full step a draft costs what a prompt token
+        # does, and a rejected one is work no request needed (prompt first).
+        room = 0 if big else max(0, total - len(decode) - prompt)
+        drafts = self._drafts(decode, room=room) if room else ()  # verify graphs go up to the mixed budget
         rows = len(decode) + sum(map(len, drafts))  # the decoding rows' tokens
         total = trimmed(self.table, min(total, rows + prompt), rows)
         budget = total - rows
@@ -272,8 +276,9 @@ class Scheduler:
         pieces.append(Piece(seq, reuse, n))
         return n
 
-    def _drafts(self, decode: tuple[Sequence, ...], fill: bool = False) -> tuple[tuple[int, ...], ...]:
-        return step_drafts(decode, self.speculative_tokens, self.table, fill)
+    def _drafts(self, decode: tuple[Sequence, ...], fill: bool = False, room: int | None = None
+                ) -> tuple[tuple[int, ...], ...]:
+        return step_drafts(decode, self.speculative_tokens, self.table, fill, room)
 
     def _take(self, seq: Sequence, slot: int, reuse: int = 0) -> None:
         """`seq` starts in `slot`, whose first `reuse` positions already hold its prompt's K/V."""

@@ -111,12 +111,14 @@ def accepted(first: int, drafts: tuple[int, ...], verified: list[int]) -> list[i
     return out
 
 
-def step_drafts(decode: tuple[Sequence, ...], k: int, table: BucketTable, fill: bool = False
-                ) -> tuple[tuple[int, ...], ...]:
-    """The drafts of a step's decoding rows (plan_drafts; () with K = 0): with `fill` (a step of decoding rows alone)
-    a row's drafts may fill the token bucket that the rows and K drafts each take (fill_drafts); beside prompt pieces
-    they stay at the rows' own limits (prompt tokens take the rest of the budget)."""
+def step_drafts(decode: tuple[Sequence, ...], k: int, table: BucketTable, fill: bool = False,
+                room: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """The drafts of a step's decoding rows (plan_drafts; () with K = 0), `room` draft tokens in all at most (None:
+    the table's draft_rows): with `fill` (a step of decoding rows alone) a row's drafts may fill the token bucket
+    that the rows and K drafts each take (fill_drafts); beside prompt pieces they stay at the rows' own limits, in
+    what the prompts leave of the budget (the scheduler's `room`)."""
     if not k:
         return ()
     filled = fill_drafts(k, len(decode), table.verify_for(min(len(decode) * (1 + k), table.mixed_budget))) if fill else 0
-    return plan_drafts(decode, k, table.draft_rows, table.context_length, filled)
+    return plan_drafts(decode, k, table.draft_rows if room is None else min(room, table.draft_rows),
+                       table.context_length, filled)

@@ -110,15 +110,23 @@ def test_a_stop_or_the_length_inside_a_verify_step_ends_the_row_there() -> None:
     assert s.running == {}
 
 
-def test_prompts_get_what_the_drafts_leave_of_the_budget() -> None:
+@pytest.mark.parametrize(("prompt", "drafts", "tokens"), [
+    (28, (1, 2, 3), 32),  # room for both: a's 3 drafts and the whole prompt (1 + 3 + 28 tokens)
+    (61, (1, 2), 64),  # the prompt first: a's drafts take the 2 tokens it leaves
+    (62, (1,), 64),
+    (63, (), 64),  # nothing left: a decodes one token beside the prompt
+])
+def test_drafts_get_what_the_prompts_leave_of_the_budget(prompt: int, drafts: tuple[int, ...], tokens: int) -> None:
+    """In a mixed step a prompt token is work some request needs, a draft only a guess: the prompts that can start
+    take the budget (64) first, the drafts what they leave (docs/performance.md, session 48)."""
     s = Scheduler(TABLE, speculative_tokens=3, waiting_served_ratio=0)
     a = speculating("a", [1, 2, 3, 1, 2, 3, 1, 2])
     s.add(a)
     s.update(s.schedule(), {"a": 3})  # type: ignore[arg-type]
-    s.add(Sequence("long", 62, 4))
+    s.add(Sequence("p", prompt, 4))
     step = s.schedule()
-    assert isinstance(step, MixedStep) and step.drafts == ((1, 2, 3),)
-    assert step.tokens == 64 and step.pieces[0].num_tokens == 60  # 4 tokens for a, the rest for the prompt
+    assert isinstance(step, MixedStep) and step.drafts == ((drafts,) if drafts else ())
+    assert step.pieces[0].num_tokens == prompt and step.tokens == tokens
 
 
 def test_fill_drafts_fills_the_bucket_the_rows_take_anyway() -> None:
