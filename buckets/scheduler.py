@@ -30,7 +30,6 @@ what the prompts that can start leave of the step's budget.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import islice
@@ -41,6 +40,7 @@ from buckets.speculation import step_drafts
 from buckets.step_sizing import solo_prompt, trimmed
 from buckets.steps import ChunkStep, DecodeStep, MixedStep, Piece, PrefillStep, Sequence, Step
 from buckets.table import BucketTable
+from buckets.waiting_queue import WaitingQueue
 
 __all__ = ["ChunkStep", "DecodeStep", "MixedStep", "Piece", "PrefillStep", "QueueFullError", "Scheduler", "Sequence",
            "Step", "WAITING_SERVED_RATIO"]
@@ -62,20 +62,17 @@ class Scheduler:
     waiting_served_ratio: float = WAITING_SERVED_RATIO
     prefix_caching: bool = False
     speculative_tokens: int = 0  # the most drafts a row carries (0: off); the table's draft_rows bound a step's
-    waiting: deque[Sequence] = field(default_factory=deque)
+    waiting: WaitingQueue = field(init=False)
     running: dict[int, Sequence] = field(default_factory=dict)  # slot -> sequence
-    _waiting_tokens: int = 0
     _last_was_prefill: bool = False
     _prefixes: SlotPrefixes | None = None
 
     def __post_init__(self) -> None:
-        if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
-            raise ValueError("max_waiting_requests and max_waiting_tokens must be positive")
+        self.waiting = WaitingQueue(self.max_waiting_requests, self.max_waiting_tokens)
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
         if not 0 <= self.waiting_served_ratio < float("inf"):  # NaN too
-            raise ValueError(
-                f"waiting_served_ratio must be finite and >= 0 (0: off), got {self.waiting_served_ratio}")
+            raise ValueError(f"waiting_served_ratio must be finite and >= 0 (0: off), got {self.waiting_served_ratio}")
         if self.policy == "static" and self.table.mixed_tokens:
             raise ValueError("static batching runs no mixed steps: its table needs chunk graphs, not mixed tokens")
         if self.prefix_caching:
@@ -99,22 +96,13 @@ class Scheduler:
             seq.bucket = self.table.check_request(seq.prompt_len, seq.max_tokens)
             if seq.prompt_ids and len(seq.prompt_ids) != seq.prompt_len:
                 raise ValueError(f"{len(seq.prompt_ids)} prompt ids for a prompt of {seq.prompt_len} tokens")
-        tokens = self._waiting_tokens
-        for i, seq in enumerate(seqs):
-            if len(self.waiting) + i >= self.max_waiting_requests:
-                raise QueueFullError("requests", self.max_waiting_requests)
-            if tokens + seq.prompt_len > self.max_waiting_tokens and (self.waiting or i):
-                raise QueueFullError("tokens", self.max_waiting_tokens)
-            tokens += seq.prompt_len
-        self.waiting.extend(seqs)
-        self._waiting_tokens = tokens
+        self.waiting.admit(seqs)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Remove a waiting or running request; its slot is free for the next step."""
         for seq in self.waiting:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
-                self._waiting_tokens -= seq.prompt_len
                 seq.finish_reason = "abort"
                 return seq
         for seq in self.running.values():
@@ -144,7 +132,7 @@ class Scheduler:
         self._last_was_prefill = False
         if decoding:
             decode = tuple(decoding[s] for s in sorted(decoding))
-            drafts = self._drafts(decode, fill=True)
+            drafts = step_drafts(decode, self.speculative_tokens, self.table, fill=True)
             if drafts:  # a verify step: every decoding row, the drafts after their last token
                 rows = len(decode) + sum(map(len, drafts))
                 return MixedStep(self.table.verify_for(rows), decode, (), drafts=drafts)
@@ -167,16 +155,9 @@ class Scheduler:
         for seq in step.seqs:
             if seq.finish_reason is not None:
                 continue  # aborted while the step ran
-            if isinstance(step, PrefillStep):
-                seq.prefilled = min(seq.prompt_len, step.length)
-                seq.num_chunks += 1
-            elif isinstance(step, ChunkStep):
-                seq.prefilled = step.offset + step.num_tokens
-                seq.num_chunks += 1
-            elif isinstance(step, MixedStep) and not seq.is_decoding:
-                piece = next(p for p in step.pieces if p.seq is seq)
-                seq.prefilled = piece.offset + piece.num_tokens
-                seq.num_chunks += 1
+            prefilled = step.prefilled(seq)  # None: the step decoded seq
+            if prefilled is not None:
+                seq.prefilled, seq.num_chunks = prefilled, seq.num_chunks + 1
             if not seq.is_decoding or seq.request_id not in sampled:
                 continue  # a chunk that does not end the prompt yields no token
             tokens = sampled[seq.request_id]
@@ -209,7 +190,7 @@ class Scheduler:
 
     @property
     def waiting_tokens(self) -> int:
-        return self._waiting_tokens
+        return self.waiting.tokens
 
     def _prefill(self, free: list[int]) -> PrefillStep:
         head = self.waiting[0]
@@ -220,7 +201,6 @@ class Scheduler:
         for seq in group:
             slot, _, _ = self._place(seq.prompt_ids, free)  # a prefill starts at position 0 whatever matches
             self.waiting.remove(seq)
-            self._waiting_tokens -= seq.prompt_len
             self._take(seq, slot)
         length = min(head.bucket, self.table.max_length)
         return PrefillStep(length, self.table.prefill_batch_for(len(group)), tuple(group))
@@ -238,10 +218,10 @@ class Scheduler:
         total = self.table.solo_budget if big else self.table.mixed_budget
         prompt = (chunking.prompt_len - chunking.prefilled if chunking is not None else 0) \
             + sum(seq.prompt_len for seq in islice(self.waiting, len(free)))  # what can start: free slots
-        # Drafts take only what the prompts leave of the budget: in a full step a draft costs what a prompt token
-        # does, and a rejected one is work no request needed (prompt first).
+        # Drafts (verify graphs: up to the mixed budget) take what the prompts leave of it: in a full step a draft
+        # costs what a prompt token does, and a rejected one is work no request needed (prompt first).
         room = 0 if big else max(0, total - len(decode) - prompt)
-        drafts = self._drafts(decode, room=room) if room else ()  # verify graphs go up to the mixed budget
+        drafts = step_drafts(decode, self.speculative_tokens, self.table, room=room) if room else ()
         rows = len(decode) + sum(map(len, drafts))  # the decoding rows' tokens
         total = trimmed(self.table, min(total, rows + prompt), rows)
         budget = total - rows
@@ -267,7 +247,6 @@ class Scheduler:
     def _admit(self, free: list[int], copies: list[tuple[int, int, int]], pieces: list[Piece], budget: int) -> int:
         """The head of the queue starts in a free slot with up to `budget` of its prompt tokens; returns how many."""
         seq = self.waiting.popleft()
-        self._waiting_tokens -= seq.prompt_len
         slot, source, reuse = self._place(seq.prompt_ids, free)
         if source not in (-1, slot):
             copies.append((source, slot, reuse))
@@ -275,10 +254,6 @@ class Scheduler:
         n = min(budget, seq.prompt_len - reuse)
         pieces.append(Piece(seq, reuse, n))
         return n
-
-    def _drafts(self, decode: tuple[Sequence, ...], fill: bool = False, room: int | None = None
-                ) -> tuple[tuple[int, ...], ...]:
-        return step_drafts(decode, self.speculative_tokens, self.table, fill, room)
 
     def _take(self, seq: Sequence, slot: int, reuse: int = 0) -> None:
         """`seq` starts in `slot`, whose first `reuse` positions already hold its prompt's K/V."""

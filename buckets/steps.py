@@ -84,6 +84,10 @@ class PrefillStep:
         """The rows whose prompt ends in this step: they get their first token from it."""
         return tuple(s for s in self.seqs if s.prompt_len <= self.length)
 
+    def prefilled(self, seq: Sequence) -> int | None:
+        """How much of `seq`'s prompt is in its slot after this step (None: the step decoded it)."""
+        return min(seq.prompt_len, self.length)
+
 
 @dataclass(frozen=True)
 class ChunkStep:
@@ -112,6 +116,9 @@ class ChunkStep:
     def padding_tokens(self) -> int:
         return self.length - self.num_tokens
 
+    def prefilled(self, seq: Sequence) -> int | None:
+        return self.offset + self.num_tokens
+
 
 @dataclass(frozen=True)
 class DecodeStep:
@@ -129,6 +136,9 @@ class DecodeStep:
     @property
     def sampling_seqs(self) -> tuple[Sequence, ...]:
         return self.seqs
+
+    def prefilled(self, seq: Sequence) -> int | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,9 @@ class MixedStep:
     @property
     def padding_tokens(self) -> int:
         return self.tokens - len(self.decode) - self.num_drafts - self.prompt_tokens
+
+    def prefilled(self, seq: Sequence) -> int | None:
+        return next((p.offset + p.num_tokens for p in self.pieces if p.seq is seq), None)
 
 
 Step = PrefillStep | ChunkStep | DecodeStep | MixedStep
