@@ -13,20 +13,34 @@
 
 #include "attention_common.h"
 
-/* Step 1 with vector dot products: S [16, L16] = Q K^T, a block of 16 positions at a time in 16 accumulators (one
- * a query row); each packed K vector (one dim pair of the 16 positions) is loaded once for the 16 rows. */
+/* Step 1 with vector dot products: S [16, L16] = Q K^T for 8 query rows and 32 positions (two packed K blocks) at
+ * a time in 16 accumulators; each packed K vector (one dim pair of 16 positions) is loaded once for the 8 rows and
+ * each row's dim pair broadcast once for both blocks: 10 loads a 16 dot products, where 16 rows of one block took
+ * 17 (the loads bound it: 1.4x the time of the output product, which does the same arithmetic). Each score's sum
+ * runs over the dim pairs in order, as before. An odd last block computes one more block of 16 (zeros in kt up to
+ * Lp, into s's columns up to L32, which the softmax never reads). */
 static void scores_vec(const uint16_t *qb, const uint16_t *kt, int64_t D, int64_t sblocks, int64_t L32, float *s) {
     const int64_t dblocks = D / 32;
     const int32_t *qp = (const int32_t *)qb; /* query row r's dim pair i: qp[r * D / 2 + i] */
-    for (int64_t b = 0; b < sblocks; b++) {
-        __m512 acc[16];
-        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < D / 2; i++) {
-            const __m512bh kv = (__m512bh)_mm512_load_si512(kt + (b * dblocks + i / 16) * 512 + (i % 16) * 32);
-            for (int r = 0; r < 16; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(qp[r * D / 2 + i]), kv);
+    for (int64_t h = 0; h < 16; h += 8) {
+        for (int64_t b = 0; b < sblocks; b += 2) {
+            __m512 acc[8][2];
+            for (int r = 0; r < 8; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < D / 2; i++) {
+                const int64_t at = (i / 16) * 512 + (i % 16) * 32;
+                const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + b * dblocks * 512 + at);
+                const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + (b + 1) * dblocks * 512 + at);
+                for (int r = 0; r < 8; r++) {
+                    const __m512bh q = (__m512bh)_mm512_set1_epi32(qp[(h + r) * D / 2 + i]);
+                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], q, k0);
+                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], q, k1);
+                }
+            }
+            for (int r = 0; r < 8; r++) {
+                _mm512_storeu_ps(s + (h + r) * L32 + b * 16, acc[r][0]);
+                _mm512_storeu_ps(s + (h + r) * L32 + b * 16 + 16, acc[r][1]);
+            }
         }
-        for (int r = 0; r < 16; r++) _mm512_storeu_ps(s + r * L32 + b * 16, acc[r]);
     }
 }
 
