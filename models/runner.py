@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from models.compile import CompileAccountant, CompileSettings, RecompileError
-from models.graph_builder import GraphBuilder, Pending, collect, share_out
+from models.graph_builder import GraphBuilder, share_out
 from models.graph_set import GraphSet
 from models.masks import sliding_window
 from models.module_swaps import swap_modules
@@ -33,12 +33,9 @@ from models.step_functions import (
     vocab_size,
     zeroes_free_rows,
 )
+from models.warmup import WarmupCancelled, warm_each
 
 __all__ = ["ModelRunner", "PrefillRow", "ShapeTable", "UnknownShapeError", "WarmupCancelled"]
-
-
-class WarmupCancelled(RuntimeError):
-    """The warm-up was asked to stop (shutdown during start-up)."""
 
 
 class ModelRunner:
@@ -129,36 +126,11 @@ class ModelRunner:
         todo, pending = share_out(todo, builder, self.graphs.store)
         self._warming = True
         try:
-            self._warm_each(todo, pending, progress, cancelled)
+            warm_each(self, todo, pending, progress, cancelled)
         finally:
             self._warming = False
         self.start_serving()
         return time.perf_counter() - start
-
-    def _warm_each(self, todo: list[Any], pending: Pending | None,
-                   progress: Callable[[Any, float, int, int], None] | None,
-                   cancelled: Callable[[], bool] | None) -> None:
-        for done, key in enumerate(todo, 1):
-            if cancelled is not None and cancelled():
-                raise WarmupCancelled(f"warm-up cancelled after {done - 1} of {len(todo)} graphs")
-            if pending and key in pending[0]:
-                collect(pending, self.graphs.built_elsewhere)
-            t0 = time.perf_counter()
-            if key.phase == "decode":
-                zeros = torch.zeros(key.batch, dtype=torch.long)
-                self._run_decode(key.batch, key.length, zeros, zeros)
-            elif key.phase == "sample":
-                self._run_sample(torch.zeros(key.batch, self.vocab_size, dtype=self.dtype, device=self.device))
-            elif key.phase == "chunk":
-                # Slot 0 from position c: what the warm-up's dummy writes there, no request reads.
-                self._run_chunk(key.length, 0, self.table.chunk_length, [0])
-            elif key.phase in ("mixed", "verify"):
-                self._run_mixed(key.length, [0], [0], [0], [0], key.batch)
-            else:
-                self._run_prefill(key.batch, key.length, [PrefillRow(0, [0])] * key.batch, commit=False)
-            self.warmed.add((key.phase, key.batch, key.length))
-            if progress is not None:
-                progress(key, time.perf_counter() - t0, done, len(todo))
 
     def start_serving(self) -> None:
         """From now on every compilation counts as a recompile; with policy 'error' it is refused."""
