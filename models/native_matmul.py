@@ -9,9 +9,10 @@ Why (measured in docs/performance.md, one thread):
 - AMX matmuls. Where the CPU has AMX, 2-128 rows run tile products over a third copy of each weight in the
   tiles' layout (`tile_pack`): the arithmetic of 1-16 rows is one tile product, so the loop streams the weight
   (1.3-1.4x oneDNN at 2-32 rows, 1.1-1.2x at 48-128; oneDNN from 256 rows on).
-- Without AMX (AVX512-BF16), 1-128 rows run vector products over the same tile copy (tiled_matmul.c: each tile
-  row is 16 columns' weight pairs, one dot product against a broadcast input pair; the stream prefetched into
-  L2): on an AMD EPYC 1.3x the small matmul at one row and 1.4-2x oneDNN at 1-16 rows.
+- Without AMX (AVX512-BF16), steps of every size run vector products over the same tile copy (tiled_matmul.c: each
+  tile row is 16 columns' weight pairs, one dot product against a broadcast input pair; the stream prefetched into
+  L2): on a Zen 4 EPYC 1.3x the small matmul at one row and 1.4-2x oneDNN at 1-16 rows; on a Zen 5 EPYC 1.1-1.2x
+  oneDNN at 128-1024 rows (~500 GFLOP/s, the core's bf16 dot-product peak).
 - Weight-only int8 (`--quantize int8`), 1-128 rows: AMX or the vector products read an int8 tile copy, converting
   it to bf16 as they go (half the bytes).
 - float32, 1-32 rows: the same scheme with FMAs on a fp32 tile copy (AMD EPYC: one row 1.24x the plain-weight
@@ -71,7 +72,7 @@ def amx_available() -> bool:
 
 
 def tiled_available() -> bool:
-    """The vector matmul on the tile copy (tiled_matmul.c) serves 1-128 rows here: the kernels' build has
+    """The vector matmul on the tile copy (tiled_matmul.c) serves every step size here: the kernels' build has
     AVX512-BF16 and the CPU no AMX (where it has, the AMX matmul serves 2-128 rows, and this one rows of one)."""
     return available() and has("matmul") and not has("amx")
 

@@ -14,11 +14,11 @@ Steps of 2-128 rows take bucketserve's AMX matmul on a third copy in the tiles' 
 (models/native_matmul.py: 1.1-1.4x oneDNN there: decode steps are memory-bound and oneDNN streams their weights at ~7
 GB/s of one core's ~12), and one-row steps the vector matmul below on the same copy (Intel Xeon, one thread: the
 211 weights of a step 22.0 ms against 24.1 for the small matmul on the plain weight; a batch-1 decode step 28.6 /
-27.7 -> 25.3 / 26.2 ms). Without AMX, steps of 1-128 rows
-take the vector matmul (AVX512-BF16) on the same tile copy (measured on an AMD EPYC: 1.3x the small matmul at one
-row, 1.4-2x oneDNN at 1-16 rows, 1.1x at 64); where there is no tile copy (N not a multiple of 32), 1-2 rows the
-small matmul. Larger steps (prompts) stay with oneDNN. Which kernel and copy each step size reads is chosen once per weight
-(`Packed.kernel`), and the op calls it through one lean C entry
+27.7 -> 25.3 / 26.2 ms); larger steps (prompts) stay with oneDNN there. Without AMX, steps of every size take the
+vector matmul (AVX512-BF16) on the same tile copy (measured on a Zen 4 EPYC: 1.3x the small matmul at one row,
+1.4-2x oneDNN at 1-16 rows, 1.1x at 64; on a Zen 5 EPYC 1.1-1.2x oneDNN at 128-1024 rows); where there is no tile
+copy (N not a multiple of 32), 1-2 rows the small matmul and oneDNN the rest. Which kernel and copy each step
+size reads is chosen once per weight (`Packed.kernel`), and the op calls it through one lean C entry
 (models/csrc/linear.c): the per-call Python of choosing and checking cost ~2 us of a ~10 us one-row linear. Where
 the op's C++ kernel is built (models/native_dispatch.py), it makes the same choice from a mirror of these entries,
 without Python (~3 us a call through the op, against ~9).
@@ -87,7 +87,7 @@ class Packed(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
     onednn: torch.Tensor  # oneDNN's blocked copy (prompt-sized steps)
-    tiles: torch.Tensor | None  # the tile copy (AMX: 2-128 rows; vector: 1-128; fp32 vector: 1-32), or None
+    tiles: torch.Tensor | None  # the tile copy (AMX: 2-128 rows; vector: any; fp32 vector: 1-32), or None
     int8: tuple[torch.Tensor, torch.Tensor] | None  # --quantize int8: (q, scale) for steps of 1-128 rows, or None
     one: Kernel | None  # what a one-row step reads (native_matmul.packed_linear), or None: oneDNN
     few: Kernel | None  # what steps of 2..few_max rows read, or None: oneDNN
@@ -101,7 +101,7 @@ class Packed(NamedTuple):
 def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too: bool = True) -> Packed:
     """The copies of `weight` (oneDNN's, and the tile or int8 tile copy) and which kernel each step size reads:
     int8 (1-128 rows) where quantized; with AMX the vector matmul for one row and the AMX tiles for 2-128; without,
-    the vector matmul on the tile copy for 1-128 (the small matmul for 1-2 where there is no tile copy);
+    the vector matmul on the tile copy for every step size (the small matmul for 1-2 where there is no tile copy);
     float32: the fp32 vector matmul on its fp32 tile copy for 1-32 rows (with AMX, or where there is no tile copy,
     the fp32 one-row matmul on the plain weight for one).
     Without `tiles_too` (memory is short) no tile copy: the kernels that read the plain weight, else oneDNN."""

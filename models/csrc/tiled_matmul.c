@@ -1,5 +1,5 @@
 /* y = x @ w.T in bfloat16 with AVX512-BF16 vector products, on the copy of the weight in the AMX tiles' layout
- * (models/native_matmul.py packs it; models/prepack.py routes bf16 steps of 1-128 rows here on CPUs without AMX).
+ * (models/native_matmul.py packs it; models/prepack.py routes bf16 steps of every size here on CPUs without AMX).
  *
  * Why: on an AMD EPYC with AVX512-BF16 and no AMX (one thread), oneDNN's prepacked bf16 matmul ran the 211
  * weights of a SmolLM2 step (269 MB) in 18-34 ms at 1-16 rows, and the small matmul (small_matmul.c, dot
