@@ -246,3 +246,18 @@ class ServerSettings:
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise SettingsError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this torch cannot run with a SettingsError naming it, before anything loads (torch's own
+    errors come from deep inside loading: an AssertionError for CUDA, a RuntimeError on the device string)."""
+    import torch  # here, not at the top: the settings stay importable without loading torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SettingsError("--device cuda: this torch sees no CUDA device (a CPU-only build, or no GPU)")
+    if device == "neuron":
+        try:
+            torch.device("neuron")
+        except RuntimeError:
+            raise SettingsError("--device neuron needs torch-neuronx (TorchNeuron) on a Trainium host: this torch "
+                                "has no 'neuron' device") from None

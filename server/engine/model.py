@@ -26,7 +26,7 @@ from models.mesh import MeshSpec
 from models.runner import ModelRunner, PrefillRow
 from models.sampling import SampledToken, Sampler, SamplingParams
 from models.step_plan import rank_runner
-from server.config import DEFAULT_MAX_MODEL_LEN, ServerSettings, SettingsError
+from server.config import DEFAULT_MAX_MODEL_LEN, ServerSettings, check_device
 from server.engine.mesh import EngineMesh
 from server.engine.mixed_inputs import mixed_inputs
 from server.engine.step_sampling import StepLogits, sample_step
@@ -287,15 +287,3 @@ class EngineModel:
             warmed = (k.phase, k.batch, k.length) in self.runner.warmed
             self.metrics.recompiled("guard_failure" if warmed else "unwarmed_shape")
 
-
-def check_device(device: str) -> None:
-    """Refuse a device this torch cannot run with a SettingsError naming it, before anything loads (torch's own
-    errors come from deep inside loading: an AssertionError for CUDA, a RuntimeError on the device string)."""
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SettingsError("--device cuda: this torch sees no CUDA device (a CPU-only build, or no GPU)")
-    if device == "neuron":
-        try:
-            torch.device("neuron")
-        except RuntimeError:
-            raise SettingsError("--device neuron needs torch-neuronx (TorchNeuron) on a Trainium host: this torch "
-                                "has no 'neuron' device") from None

@@ -190,3 +190,21 @@ def test_an_empty_size_list_flag_is_refused_but_an_empty_variable_means_the_defa
     assert "cannot parse size list '64,x'" in capsys.readouterr().err  # not argparse's "invalid parse_sizes value"
     variable = "BUCKETSERVE_" + flag.lstrip("-").replace("-", "_").upper()
     assert parse([], {variable: ""}) == ServerSettings()
+
+
+def test_a_device_this_torch_cannot_run_is_refused_before_anything_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from server.config import check_device
+
+    check_device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SettingsError, match="--device cuda: this torch sees no CUDA device"):
+        check_device("cuda")
+    try:
+        torch.device("neuron")
+    except RuntimeError:
+        with pytest.raises(SettingsError, match="--device neuron needs torch-neuronx"):
+            check_device("neuron")
+    else:
+        check_device("neuron")  # a torch with the neuron device (torch-neuronx installed): accepted
