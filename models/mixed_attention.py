@@ -3,9 +3,9 @@ alike and hands what its path declines to `mixed_attention_general`, this kernel
 several slots on one axis, and the "mask" the graph passes is the step's [1, 1, T, 2] long tensor of (slot, position)
 per token. Runs of more than SHORT_RUN tokens of one slot at consecutive positions are prompt pieces (causal over the
 slot up to each position); every other token is a decoding row that sees its slot up to its own position, and
-consecutive rows are attended as one decode batch; padding tokens (the spare slot) get zeros. Where bf16 runs on AMX
-tiles, runs of 2..SHORT_RUN tokens (a verify step's row and its drafts) are pieces too, which the piece kernel hands
-to models/csrc/run_attention.c: the run's tokens read their slot's K/V once, together.
+consecutive rows are attended as one decode batch; padding tokens (the spare slot) get zeros. In bf16, runs of
+2..SHORT_RUN tokens (a verify step's row and its drafts; 3.. without AMX) are pieces too, which the piece kernel hands
+to models/csrc/run_attention.c (AMX tiles) or run_vec.c: the run's tokens read their slot's K/V once, together.
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ SHORT_RUN = 8
 
 
 @functools.lru_cache(maxsize=256)
-def mixed_plan(meta: bytes, spare: int, runs: bool = False) -> tuple[Call, ...]:
+def mixed_plan(meta: bytes, spare: int, runs: int = 0) -> tuple[Call, ...]:
     """meta: the (slot, position) int64 pairs of a mixed step's tokens -> its calls (once per step: the 30 layers
-    ask with the same bytes). Padding tokens (slot `spare`) are left out. `runs`: runs of 2..SHORT_RUN tokens are
-    pieces (where the run kernel takes them). models/csrc/dispatch.cpp plans alike."""
+    ask with the same bytes). Padding tokens (slot `spare`) are left out. `runs` (0: none): runs of runs..SHORT_RUN
+    tokens are pieces (where a run kernel takes them; native_library.shortest_run). models/csrc/dispatch.cpp plans
+    alike."""
     pairs = np.frombuffer(meta, dtype=np.int64).reshape(-1, 2).tolist()
     calls: list[Call] = []
     t, n = 0, len(pairs)
@@ -63,7 +64,7 @@ def mixed_plan(meta: bytes, spare: int, runs: bool = False) -> tuple[Call, ...]:
         last = calls[-1] if calls else None
         if slot == spare:
             pass
-        elif end - t > (1 if runs else SHORT_RUN):
+        elif end - t > SHORT_RUN or (runs and end - t >= runs):
             calls.append(Call(t, end, (slot,), (pos,), False))
         else:
             rows, extents = (slot,) * (end - t), tuple(range(pos + 1, pos + 1 + end - t))
@@ -107,8 +108,8 @@ def _mixed_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     heads, dim, kv_heads = query.shape[1], query.shape[3], key.shape[1]
     out = torch.zeros_like(query)
     q, o = query[0], out[0]  # [H, T, D]
-    # the piece kernel's tiles, which hand short runs to run_attention.c
-    runs = query.dtype == torch.bfloat16 and native_library.available() and native_library.has("amx")
+    # the piece kernel hands short runs to run_attention.c (AMX tiles) or run_vec.c
+    runs = native_library.shortest_run() if query.dtype == torch.bfloat16 and native_library.available() else 0
     for first, last, slots, ext, decoding in mixed_plan(meta.numpy().tobytes(), key.shape[0] - 1, runs):
         if not decoding:  # a prompt piece: causal over its slot, offset by its first position
             s0, p0, n = slots[0], ext[0], last - first

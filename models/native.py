@@ -13,9 +13,10 @@ Why kernels of our own (measured in docs/performance.md, one thread):
 - Prompt attention (models/csrc/piece_attention.c): PyTorch's CPU flash SDPA spends most of a prompt's attention
   outside its two matmuls; the kernel computes each 16-token block's products from packed K and V (AMX tiles, or
   AVX512-BF16 dot products without AMX: 3-4x SDPA); without AMX a bf16 512-1024-token prompt's step -25 to -28%.
-- A verify step's runs (a row's last token and its drafts; models/csrc/run_attention.c, bf16 on AMX tiles): the
-  run's tokens read their slot's K/V once, together, where as decoding rows each token re-read it: 16 runs of 4
-  tokens at ~300 positions 585 us a layer against 1073 as 64 decoding rows.
+- A verify step's runs (a row's last token and its drafts; bf16: models/csrc/run_attention.c on AMX tiles, else
+  run_vec.c on AVX512-BF16 dot products): the run's tokens read their slot's K/V once, together, where as decoding
+  rows each token re-read it: 16 runs of 4 tokens at ~300 positions 585 us a layer against 1073 as 64 decoding rows
+  (AMX); 8 such runs 4.4-4.9 against 6.7 ms over 30 layers without AMX (runs of 3+ tokens there).
 float32 models take the attention kernels too (fp32 in and out: PyTorch's SDPA spent ~2.5x the decode kernel's time
 on decode rows and 1.4-2.1x the prompt kernel's on prompts, docs/performance.md). Greedy tokens stay transformers'
 eager float32 (`bucketserve verify`). Other dtypes, shapes the kernels do not take, and machines where the build

@@ -96,9 +96,14 @@ def install() -> bool:
         rms = ctypes.cast(lib.bucketserve_rms_norm_bf16, ctypes.c_void_p).value
         piece = ctypes.cast(lib.bucketserve_piece_attention, ctypes.c_void_p).value
         decode = ctypes.cast(lib.bucketserve_decode_attention, ctypes.c_void_p).value
-        run = ctypes.cast(lib.bucketserve_run_attention, ctypes.c_void_p).value
+        # short runs (a verify step's row and its drafts): on the tiles where usable, else on vector dot products
+        run = 0
+        if native_library.has("runs"):
+            runs = lib.bucketserve_run_attention if native_library.has("amx") else lib.bucketserve_run_attention_vec
+            run = ctypes.cast(runs, ctypes.c_void_p).value
         ops = torch.ops.bucketserve_dispatch
-        ops.bind(address, gated, attention, rms, piece, decode, run, native_library.openmp(),
+        ops.bind(address, gated, attention, rms, piece, decode, run, native_library.shortest_run(),
+                 native_library.openmp(),
                  native_library.has("amx"), native_library.switch_address())
         # every module whose Python kernel is on PY_CPU, imported before it goes (they import this module)
         import models.attention  # noqa: F401

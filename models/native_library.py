@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
            _CSRC / "piece_attention.c", _CSRC / "linear.c", _CSRC / "rms_norm.c",
-           _CSRC / "tiled_matmul.c", _CSRC / "run_attention.c", _CSRC / "argmax.c")
+           _CSRC / "tiled_matmul.c", _CSRC / "run_attention.c", _CSRC / "run_vec.c", _CSRC / "argmax.c")
 HEADERS = (_CSRC / "vec16.h", _CSRC / "piece_products.h", _CSRC / "attention_common.h", _CSRC / "amx_tiles.h")
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
@@ -167,8 +167,10 @@ def _load() -> None:
     lib.bucketserve_rms_norm_bf16.restype = ctypes.c_int
     lib.bucketserve_argmax.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
     lib.bucketserve_argmax.restype = ctypes.c_int
+    amx = bool(lib.bucketserve_amx_supported())
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
-                  matmul=bool(lib.bucketserve_small_matmul_supported()), amx=bool(lib.bucketserve_amx_supported()))
+                  matmul=bool(lib.bucketserve_small_matmul_supported()), amx=amx,
+                  runs=amx or bool(lib.bucketserve_run_vec_supported()))
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
              _state["matmul"], _state["amx"])
 
@@ -196,9 +198,18 @@ def openmp() -> bool:
 
 
 def has(feature: str) -> bool:
-    """The loaded library has `feature` ("matmul": the small matmul, "amx": the AMX matmul usable here); call
-    after available() returned True."""
+    """The loaded library has `feature` ("matmul": the small matmul, "amx": the AMX matmul usable here, "runs": a
+    kernel for bf16 runs of a few tokens, run_attention.c on the tiles or run_vec.c); call after available()
+    returned True."""
     return bool(_state[feature])
+
+
+def shortest_run() -> int:
+    """The fewest tokens of one slot at consecutive positions (a verify step's row and its drafts) that attend as a
+    run, reading the slot's K/V once (0: none; bf16 only): 2 on AMX tiles (run_attention.c), 3 on vector dot products
+    (run_vec.c: a run of 2 costs about what two decoding rows do, one of 4 ~0.65x; docs/performance.md). Call after
+    available() returned True."""
+    return 2 if _state["amx"] else 3 if _state["runs"] else 0
 
 
 def lib() -> ctypes.CDLL:

@@ -1,6 +1,6 @@
-/* What the bf16 attention kernels on tiles share (piece_products.h for piece_attention.c, and run_attention.c): the
- * tile configuration, exp for the softmax, per-thread scratch and the rounding of an output row. Needs AVX512-BF16
- * (the includers' guard). */
+/* What the bf16 attention kernels share (piece_products.h for piece_attention.c, run_attention.c and run_vec.c): the
+ * tile configuration, exp for the softmax, a block of queries as Q^T, per-thread scratch and the rounding of an output
+ * row. Needs AVX512-BF16 (the includers' guard). */
 #ifndef BUCKETSERVE_ATTENTION_COMMON_H
 #define BUCKETSERVE_ATTENTION_COMMON_H
 
@@ -19,7 +19,7 @@
 #include "amx_tiles.h"
 
 /* Every tile 16 rows of 64 bytes: tmm0-3 fp32 accumulators, tmm4 an A tile (Q or P), tmm5-7 B tiles (K or V). */
-static void configure(void) {
+static inline void configure(void) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
@@ -74,6 +74,59 @@ static inline __m512 exp2_le0(__m512 t) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* One chunk of an online softmax over scores S^T st [len, 16] (lane c: query row c, seeing positions [0, lim[c]);
+ * p0 the chunk's first position), for the run kernels (run_attention.c, run_vec.c): updates the running max *m (scaled
+ * to base 2) and sums *l, writes P's pairs for j < span / 2 (pairs[j] dword c = row c's bf16 weights of positions
+ * p0 + 2j, + 1; 0 past its positions and past len; span even, >= len) and returns what the output so far is scaled
+ * by. `hook(ctx, 2j)`, where given, runs once a pair (the AMX kernel prefetches there); inlined, it folds away. */
+typedef void (*pair_hook)(const void *ctx, int64_t j);
+static inline __attribute__((always_inline)) __m512 online_softmax(const float *st, __m512i limv, int64_t p0,
+                                                                   int64_t len, int64_t span, float l2, __m512 *m,
+                                                                   __m512 *l, uint32_t *pairs, pair_hook hook,
+                                                                   const void *ctx) {
+    const __m512 sc = _mm512_set1_ps(l2);
+    __m512 top[4];
+    for (int i = 0; i < 4; i++) top[i] = _mm512_set1_ps(-3.0e38f);
+    for (int64_t j = 0; j < len; j++) /* 4 chains: vmax's latency */
+        top[j % 4] = _mm512_mask_max_ps(top[j % 4], _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(p0 + j))),
+                                        top[j % 4], _mm512_load_ps(st + j * 16));
+    const __m512 next = _mm512_max_ps(*m, _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]),
+                                                                      _mm512_max_ps(top[2], top[3])), sc));
+    const __m512 alpha = exp2_le0(_mm512_sub_ps(*m, next));
+    *m = next;
+    uint16_t order[32];
+    for (int i = 0; i < 32; i++) order[i] = (uint16_t)(i / 2 + (i % 2) * 16); /* a[c], b[c] adjacent */
+    const __m512i inter = _mm512_loadu_si512(order);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < span; j += 2) {
+        if (hook) hook(ctx, j);
+        __m512 e[2];
+        for (int i = 0; i < 2; i++) {
+            const __mmask16 live = _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(p0 + j + i)));
+            e[i] = j + i < len ? _mm512_maskz_mov_ps(live, exp2_le0(_mm512_fmsub_ps(_mm512_load_ps(st + (j + i) * 16),
+                                                                                    sc, next)))
+                               : _mm512_setzero_ps();
+        }
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e[0], e[1])); /* fp32 weights, as piece_attention.c sums them */
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]); /* e0 lanes 0-15, e1 lanes 16-31 */
+        _mm512_store_si512(pairs + (j / 2) * 16, _mm512_permutexvar_epi16(inter, both));
+    }
+    *l = _mm512_fmadd_ps(*l, alpha, sum);
+    return alpha;
+}
+
+/* Query rows [c0, c0 + 16) of KV head kh (row c: token c / G, query head kh * G + c % G) as Q^T's dword pairs (the
+ * B tiles of run_attention.c, the vectors of run_vec.c), qtile[(d * 16 + r) * 16 + c] = the dword r (dims 32d + 2r, + 1) of row c; zeros past `rows`. */
+static inline void pack_queries(const uint16_t *q, int64_t qt, int64_t qh, int64_t kh, int64_t G, int64_t c0,
+                                int64_t rows, int64_t D, uint32_t *qtile) {
+    memset(qtile, 0, (size_t)(D / 2 * 16 * 4));
+    for (int64_t c = 0; c < rows; c++) {
+        const int64_t t = (c0 + c) / G, h = kh * G + (c0 + c) % G;
+        const uint32_t *src = (const uint32_t *)(q + t * qt + h * qh);
+        for (int64_t i = 0; i < D / 2; i++) qtile[i * 16 + c] = src[i];
+    }
 }
 
 /* Scratch buffer `i` of the calling thread, at least `bytes` long (64-byte aligned; kept between calls: a fresh

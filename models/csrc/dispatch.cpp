@@ -79,6 +79,7 @@ MaskedFn masked_fn = nullptr;
 RmsFn rms_fn = nullptr;
 PieceFn piece_fn = nullptr;
 RunFn run_fn = nullptr;
+int64_t run_min = 0;  // the shortest run run_fn takes (native_library.shortest_run)
 DecodeFn decode_fn = nullptr;
 bool tiles = false;  // the process may use AMX tiles (native_library.has("amx")): bf16 prompt pieces take them
 bool parallel = false;  // the kernels were built with OpenMP
@@ -324,12 +325,12 @@ struct Call {
 };
 
 // meta: the (slot, position) pairs of a mixed step's tokens -> its calls, as mixed_attention.mixed_plan (padding tokens,
-// slot `spare`, left out; runs of one slot up to SHORT_RUN tokens go as decoding rows). `runs`: runs of 2..SHORT_RUN
-// tokens (a verify step's row and its drafts) are calls of their own, which mixed_kernel hands to run_attention.c
-// (bf16 on AMX tiles: the run's tokens read the slot's K/V together; 16 runs of 4 tokens at ~300 positions 585 us
-// a layer against 1073 as 64 decoding rows).
+// slot `spare`, left out; runs of one slot up to SHORT_RUN tokens go as decoding rows). `runs` (0: none): runs of
+// runs..SHORT_RUN tokens (a verify step's row and its drafts) are calls of their own, which mixed_kernel hands to
+// run_fn (bf16: run_attention.c on AMX tiles from 2 tokens, 16 runs of 4 at ~300 positions 585 us a layer against
+// 1073 as 64 decoding rows; run_vec.c from 3 tokens, native_library.shortest_run).
 constexpr int64_t SHORT_RUN = 8;
-std::vector<Call> mixed_plan(const int64_t *pairs, int64_t n, int64_t spare, bool runs) {
+std::vector<Call> mixed_plan(const int64_t *pairs, int64_t n, int64_t spare, int64_t runs) {
     std::vector<Call> calls;
     for (int64_t t = 0; t < n;) {
         const int64_t slot = pairs[2 * t], pos = pairs[2 * t + 1];
@@ -337,7 +338,7 @@ std::vector<Call> mixed_plan(const int64_t *pairs, int64_t n, int64_t spare, boo
         while (end < n && pairs[2 * end] == slot && pairs[2 * end + 1] == pairs[2 * end - 1] + 1) end++;
         Call *last = calls.empty() ? nullptr : &calls.back();
         if (slot == spare) {
-        } else if (end - t > (runs ? 1 : SHORT_RUN)) {
+        } else if (end - t > SHORT_RUN || (runs > 0 && end - t >= runs)) {
             calls.push_back(Call{t, end, {slot}, {pos}, false});
         } else {
             if (last == nullptr || !last->decoding || last->last != t) {
@@ -396,8 +397,8 @@ at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at
              *v = static_cast<char *>(value.data_ptr());
         const int64_t qh = query.stride(1), qt = query.stride(2), oh = out.stride(1), ot = out.stride(2);
         bool ok = true;
-        const bool runs = tiles && !f32 && run_fn != nullptr;
-        const std::vector<Call> calls = mixed_plan(meta.data_ptr<int64_t>(), tokens, spare, runs);
+        const bool runs = !f32 && run_fn != nullptr;
+        const std::vector<Call> calls = mixed_plan(meta.data_ptr<int64_t>(), tokens, spare, runs ? run_min : 0);
         const auto is_run = [&](size_t i) {  // a short run of one slot (run_attention.c), its slot checked
             const Call &c = calls[i];
             return runs && !c.decoding && c.last - c.first <= SHORT_RUN && c.slots[0] >= 0 && c.slots[0] < spare &&
@@ -474,15 +475,16 @@ at::Tensor causal_kernel(const at::Tensor &query, const at::Tensor &key, const a
 // The kernels' entries (models/csrc/linear.c, decode_attention.c, rms_norm.c, piece_attention.c, run_attention.c; by
 // address), how they were built, whether the process may use AMX tiles, and where the switch lives.
 void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, int64_t rms_address,
-          int64_t piece_address, int64_t decode_address, int64_t run_address, bool openmp, bool amx,
-          int64_t switch_address) {
+          int64_t piece_address, int64_t decode_address, int64_t run_address, int64_t shortest_run, bool openmp,
+          bool amx, int64_t switch_address) {
     linear_fn = reinterpret_cast<LinearFn>(linear_address);
     gated_fn = reinterpret_cast<GatedFn>(gated_address);
     masked_fn = reinterpret_cast<MaskedFn>(attention_address);
     rms_fn = reinterpret_cast<RmsFn>(rms_address);
     piece_fn = reinterpret_cast<PieceFn>(piece_address);
     decode_fn = reinterpret_cast<DecodeFn>(decode_address);
-    run_fn = reinterpret_cast<RunFn>(run_address);
+    run_fn = run_address ? reinterpret_cast<RunFn>(run_address) : nullptr;
+    run_min = shortest_run;
     tiles = amx;
     parallel = openmp;
     switched_on = reinterpret_cast<const volatile int *>(switch_address);
@@ -524,8 +526,8 @@ void install() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(bucketserve_dispatch, m) {
-    m.def("bind(int linear, int gated, int attention, int rms, int piece, int decode, int run, bool openmp, "
-          "bool amx, int switch) -> ()",
+    m.def("bind(int linear, int gated, int attention, int rms, int piece, int decode, int run, int shortest_run, "
+          "bool openmp, bool amx, int switch) -> ()",
           &bind);
     m.def("remember(int address, int n, int k, ScalarType dtype, Tensor onednn, int one_kind, int one_weight, "
           "int one_scales, int few_kind, int few_weight, int few_scales, int few_max) -> ()",

@@ -37,14 +37,21 @@
 
 #include "piece_products.h"
 
-/* Pieces of up to this many tokens take run_attention.c where the tiles are on: its tile products take the few
- * tokens' query heads of a KV head together and read K in place, where this kernel packs the slot's K for 16-token
- * blocks of one query head (a 4-token piece at 300 positions, hot: 25 against 63 us). */
+/* bf16 pieces of up to this many tokens take run_attention.c where the tiles are on, else run_vec.c: both take the
+ * few tokens' query heads of a KV head together and read K in place, where this kernel packs the slot's K for
+ * 16-token blocks of one query head (a 4-token piece at 300 positions, hot: 25 against 63 us on tiles). */
 #define RUN_MAX_TOKENS 8
+typedef int (*run_fn)(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start, int64_t H,
+                      int64_t Hkv, int64_t D, int64_t qt, int64_t qh, int64_t ot, int64_t oh, int64_t kvh, int64_t kvp,
+                      float scale, int threads, const void *next_k, const void *next_v, int64_t next_rows, int warm);
 int bucketserve_run_attention(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start,
                               int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh, int64_t ot, int64_t oh,
                               int64_t kvh, int64_t kvp, float scale, int threads, const void *next_k,
                               const void *next_v, int64_t next_rows, int warm);
+int bucketserve_run_attention_vec(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start,
+                                  int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh, int64_t ot, int64_t oh,
+                                  int64_t kvh, int64_t kvp, float scale, int threads, const void *next_k,
+                                  const void *next_v, int64_t next_rows, int warm);
 
 /* K [L, D] of one KV head -> kt: per block of 16 positions and 32 dims, a B tile [16 rows, 16 positions x 2]:
  * kt[(b * D/32 + d) * 512 + r * 32 + c * 2 + i] = K[16b + c, 32d + 2r + i]; positions >= L are zeros. */
@@ -172,9 +179,9 @@ int bucketserve_piece_attention(const void *q, const void *k, const void *v, voi
                                 int64_t kvh, int64_t kvp, float scale, int threads, int tiles, int f32) {
     if (n < 1 || start < 0 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > MAX_D || kvp < D || kvp % 2) return -1;
     if (tiles && (f32 || !HAVE_TILES)) return -1;
-    if (tiles && n <= RUN_MAX_TOKENS &&
-        bucketserve_run_attention(q, k, v, out, n, start, H, Hkv, D, qt, qh, ot, oh, kvh, kvp, scale, threads, NULL,
-                                  NULL, 0, 0) == 0)
+    const run_fn run = tiles ? bucketserve_run_attention : bucketserve_run_attention_vec;
+    if (!f32 && n <= RUN_MAX_TOKENS &&
+        run(q, k, v, out, n, start, H, Hkv, D, qt, qh, ot, oh, kvh, kvp, scale, threads, NULL, NULL, 0, 0) == 0)
         return 0;
     const int64_t L = start + n, Lp = (L + 31) / 32 * 32, G = H / Hkv, qblocks = (n + 15) / 16, es = f32 ? 4 : 2;
     void *kt = scratch(0, (size_t)(Hkv * Lp * D * es));

@@ -35,18 +35,6 @@
 #define CHUNK 64  /* positions a step of the online softmax: four 16-position score tiles */
 #define AHEAD 128 /* positions prefetched ahead (K and V), into L2 */
 
-/* Query rows [c0, c0 + 16) of KV head kh (row c: token c / G, query head kh * G + c % G): the B tiles of Q^T,
- * qtile[(d * 16 + r) * 16 + c] = the dword r (dims 32d + 2r, + 1) of row c; zeros past `rows`. */
-static void pack_queries(const uint16_t *q, int64_t qt, int64_t qh, int64_t kh, int64_t G, int64_t c0, int64_t rows,
-                         int64_t D, uint32_t *qtile) {
-    memset(qtile, 0, (size_t)(D / 2 * 16 * 4));
-    for (int64_t c = 0; c < rows; c++) {
-        const int64_t t = (c0 + c) / G, h = kh * G + (c0 + c) % G;
-        const uint32_t *src = (const uint32_t *)(q + t * qt + h * qh);
-        for (int64_t i = 0; i < D / 2; i++) qtile[i * 16 + c] = src[i];
-    }
-}
-
 /* The K and V rows a head's pass reads, then the ones the next pass will (the next KV head of the call, or the
  * next call's slot): `fetch` prefetches stream position i of that concatenation, so the memory stays busy across
  * the passes' ends. */
@@ -118,40 +106,25 @@ static void chunk_scores(const uint16_t *k, int64_t kvp, int64_t p0, int64_t len
     __asm__ volatile("" ::: "memory"); /* nor the memory they write */
 }
 
-/* The online softmax over a chunk's scores st [len, 16] (lane c: query row c, seeing positions [0, lim[c]); p0 the
- * chunk's first position): updates the running max *m (scaled to base 2) and sums *l, writes P as an A tile pb
- * [16, 64] bf16 (0 past each row's positions and past len) and returns what the output so far is scaled by. */
+/* Where the AMX pass's softmax prefetches: the chunk's positions, AHEAD on, along its stream. */
+typedef struct {
+    const Stream *s;
+    int64_t ahead;
+} Ahead;
+
+static void fetch_pair(const void *ctx, int64_t j) {
+    const Ahead *a = (const Ahead *)ctx;
+    fetch(a->s, a->ahead + j);
+    fetch(a->s, a->ahead + j + 1);
+}
+
+/* The online softmax over a chunk's scores st [len, 16] (attention_common.h's online_softmax over the whole
+ * 64-position chunk, prefetching AHEAD on along `s`), P then as an A tile pb [16, 64] bf16; returns what the output so
+ * far is scaled by. */
 static __m512 chunk_softmax(const float *st, __m512i limv, int64_t p0, int64_t len, float l2, __m512 *m, __m512 *l,
                             uint32_t *pairs, uint16_t *pb, const Stream *s, int64_t ahead) {
-    const __m512 sc = _mm512_set1_ps(l2);
-    __m512 top[4];
-    for (int i = 0; i < 4; i++) top[i] = _mm512_set1_ps(-3.0e38f);
-    for (int64_t j = 0; j < len; j++) /* 4 chains: vmax's latency */
-        top[j % 4] = _mm512_mask_max_ps(top[j % 4], _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(p0 + j))),
-                                        top[j % 4], _mm512_load_ps(st + j * 16));
-    const __m512 next = _mm512_max_ps(*m, _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]),
-                                                                      _mm512_max_ps(top[2], top[3])), sc));
-    const __m512 alpha = exp2_le0(_mm512_sub_ps(*m, next));
-    *m = next;
-    uint16_t order[32];
-    for (int i = 0; i < 32; i++) order[i] = (uint16_t)(i / 2 + (i % 2) * 16); /* a[c], b[c] adjacent */
-    const __m512i inter = _mm512_loadu_si512(order);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < CHUNK; j += 2) {
-        fetch(s, ahead + j); /* the chunk's 64 positions, AHEAD on */
-        fetch(s, ahead + j + 1);
-        __m512 e[2];
-        for (int i = 0; i < 2; i++) {
-            const __mmask16 live = _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(p0 + j + i)));
-            e[i] = j + i < len ? _mm512_maskz_mov_ps(live, exp2_le0(_mm512_fmsub_ps(_mm512_load_ps(st + (j + i) * 16),
-                                                                                    sc, next)))
-                               : _mm512_setzero_ps();
-        }
-        sum = _mm512_add_ps(sum, _mm512_add_ps(e[0], e[1])); /* fp32 weights, as piece_attention.c sums them */
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]); /* e0 lanes 0-15, e1 lanes 16-31 */
-        _mm512_store_si512(pairs + (j / 2) * 16, _mm512_permutexvar_epi16(inter, both));
-    }
-    *l = _mm512_fmadd_ps(*l, alpha, sum);
+    const Ahead at = {s, ahead};
+    const __m512 alpha = online_softmax(st, limv, p0, len, CHUNK, l2, m, l, pairs, fetch_pair, &at);
     /* pb row c, dword i = pairs[i][c]: a transpose of [32, 16] dwords, 16 a gather */
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32(16));

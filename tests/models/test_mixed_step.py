@@ -41,10 +41,13 @@ def test_mixed_plan_groups_pieces_and_decoding_rows() -> None:
     # token, each seeing its slot up to its own position; so does a short prompt piece (slot 0 at 0, 1)
     meta = torch.tensor([[1, 4], [1, 5], [1, 6], [2, 0], [0, 0], [0, 1], [3, 3]])
     assert mixed_plan(meta.numpy().tobytes(), 9) == ((0, 7, (1, 1, 1, 2, 0, 0, 3), (5, 6, 7, 1, 1, 2, 4), True),)
-    # where the run kernel takes them (bf16 on AMX tiles), runs of 2+ tokens are pieces: one call each, the single
+    # where a run kernel takes runs of 2+ tokens (bf16 on AMX tiles), they are pieces: one call each, the single
     # rows between them decoding rows
-    assert mixed_plan(meta.numpy().tobytes(), 9, True) == (
+    assert mixed_plan(meta.numpy().tobytes(), 9, 2) == (
         (0, 3, (1,), (4,), False), (3, 4, (2,), (1,), True), (4, 6, (0,), (0,), False), (6, 7, (3,), (4,), True))
+    # runs of 3+ (run_vec.c): the 2-token run of slot 0 goes as two decoding rows, beside its neighbours
+    assert mixed_plan(meta.numpy().tobytes(), 9, 3) == (
+        (0, 3, (1,), (4,), False), (3, 7, (2, 0, 0, 3), (1, 1, 2, 4), True))
 
 
 def test_greedy_tokens_match_generate_when_every_step_is_mixed(mixed) -> None:

@@ -300,7 +300,7 @@ def test_mixed_attention_gives_the_python_kernels_bits(installed: None, dtype: t
 
     real_plan = attention_module.mixed_plan
 
-    def watched(meta: bytes, spare: int, runs: bool = False) -> tuple[attention_module.Call, ...]:
+    def watched(meta: bytes, spare: int, runs: int = 0) -> tuple[attention_module.Call, ...]:
         general.append(spare)
         return real_plan(meta, spare, runs)
 

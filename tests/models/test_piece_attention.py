@@ -43,8 +43,9 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sc
 
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 96)])
-# pieces of up to 8 tokens on the tiles are run_attention.c's: (0, 1), (100, 3), (15, 5) (a 16-position tile's
-# edge), (60, 4) (one whole 64-position chunk), (150, 8) (three chunks; 24-32 query rows of a KV head: two blocks)
+# pieces of up to 8 tokens are run_attention.c's on the tiles, else run_vec.c's: (0, 1), (100, 3), (15, 5) (a
+# 16-position tile's edge), (60, 4) (one whole 64-position chunk), (150, 8) (three chunks; 24-32 query rows of a KV
+# head: two blocks)
 @pytest.mark.parametrize(("start", "n"), [(0, 1), (0, 40), (5, 16), (17, 33), (100, 3), (64, 64), (15, 5), (60, 4),
                                           (150, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -70,10 +71,11 @@ def test_kernel_equals_float32_causal_attention(heads: int, kv_heads: int, dim: 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_reads_keys_with_a_position_stride(dtype: torch.dtype, path: str) -> None:
+@pytest.mark.parametrize("n", [37, 5])  # a piece, and a run (bf16: run_attention.c or run_vec.c)
+def test_kernel_reads_keys_with_a_position_stride(dtype: torch.dtype, path: str, n: int) -> None:
     """A prefill's keys are [H_kv, L, D] viewed from [L, H_kv, D]: positions H_kv * D elements apart."""
     torch.manual_seed(3)
-    n, heads, kv_heads, dim = 37, 6, 2, 64
+    heads, kv_heads, dim = 6, 2, 64
     k = torch.randn(n, kv_heads, dim).to(dtype).transpose(0, 1)
     v = torch.randn(n, kv_heads, dim).to(dtype).transpose(0, 1)
     q = torch.randn(heads, n, dim).to(dtype)
@@ -187,7 +189,6 @@ def test_a_bf16_llama_gives_the_same_logits_with_the_kernel() -> None:
 
 
 @needs_kernel
-@pytest.mark.skipif(not native_matmul.amx_available(), reason="runs take run_attention.c on AMX tiles only")
 def test_verify_step_runs_equal_float32_attention() -> None:
     """A verify step's tokens through the C++ op: rows with their drafts (runs of 2-5 tokens of a slot, which go to
     run_attention.c, each prefetching the next run's slot), single rows, a prompt piece and padding. Every token
