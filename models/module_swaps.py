@@ -14,6 +14,7 @@ from models import native, native_matmul
 from models.compile import CompileSettings
 from models.gated_mlp import fuse_gated_mlps
 from models.hardware import MEMORY_RESERVE, available_memory
+from models.kept_rows import swap_last_layer
 from models.prepack import dispatch_natively, packable_bytes, prepack
 from models.prepack import supported as prepack_supported
 from models.rms_norm import swap_rms_norms
@@ -29,6 +30,7 @@ class ModuleSwaps:
     prepacked: int  # distinct linear weights with a packed copy (models/prepack.py)
     fused_mlps: int  # gated SiLU MLPs as one op (models/gated_mlp.py)
     native_norms: int  # RMSNorms of prompt-sized steps in one C call (models/rms_norm.py)
+    kept_rows: bool = False  # the last layer's MLP on the rows whose logits a step keeps (models/kept_rows.py)
 
 
 def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int) -> ModuleSwaps:
@@ -66,9 +68,11 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
     # bf16 RMSNorms of prompt-sized steps in one C call; decode steps keep inductor's.
     norms = swap_rms_norms(model) if prepacked and dtype == torch.bfloat16 and native.available() else 0
     # The linear, MLP and attention ops' kernels in C++ from now on (~7 us less a call, ~180 calls a decode step)
-    if prepacked and native.available():
-        dispatch_natively()
-    return ModuleSwaps(prepacked, fused, norms)
+    native_ops = bool(prepacked) and native.available() and dispatch_natively()
+    # The C++ linears skip zero rows, so zeroing the rows nobody reads makes the last MLP cheaper; elsewhere it
+    # would cost a pass and save nothing.
+    kept = native_ops and swap_last_layer(model)
+    return ModuleSwaps(prepacked, fused, norms, kept)
 
 
 def _copies_that_fit(model: torch.nn.Module) -> int:

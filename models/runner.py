@@ -95,8 +95,8 @@ class ModelRunner:
         zero = zeroes_free_rows(model.config)
         fns: dict[str, Callable[..., Any]] = {
             "prefill": prefill_step, "decode": make_decode_step(self.dtype, kinds, window, zero),
-            "chunk": make_chunk_step(self.dtype, kinds, window), "mixed": make_mixed_step(zero),
-            "verify": make_mixed_step(zero), "sample": sample_step,
+            "chunk": make_chunk_step(self.dtype, kinds, window), "mixed": make_mixed_step(zero, swaps.kept_rows),
+            "verify": make_mixed_step(zero, swaps.kept_rows), "sample": sample_step,
         }
         self.graphs = GraphSet(model, compile_settings, self.accountant, len(self.keys), fns)
         self._warming = False

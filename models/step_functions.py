@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from models.kept_rows import kept_rows
 from models.masks import chunk_mask, decode_mask
 from models.sample_graph import SampleInputs, sample_rows
 from models.slot_cache import ChunkCache, DecodeCache, MixedCache, PrefillCache
@@ -106,19 +107,21 @@ def make_chunk_step(dtype: torch.dtype, kinds: list[str], window: int | None) ->
     return _chunk_step
 
 
-def make_mixed_step(zero_free_rows: bool = True) -> Callable[..., torch.Tensor]:
+def make_mixed_step(zero_free_rows: bool = True, kept: bool = False) -> Callable[..., torch.Tensor]:
     def _mixed_step(model: torch.nn.Module, cache: MixedCache, input_ids: torch.Tensor, positions: torch.Tensor,
                     meta: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [1, T] tokens of several slots on one axis, position -1 for a padding token (its
         hidden state zeroed as a decode step's free rows are, where the model allows: the CPU kernels skip it);
         meta: [T, 2] (slot, position) per token; keep: [R] indices of the tokens whose logits are wanted. Returns
         logits [R, V]. The meta tensor goes in as the 4-D "mask" (transformers passes 4-D masks through
-        untouched): the attention op reads it (and gives padding tokens, those of the spare slot, zeros)."""
+        untouched): the attention op reads it (and gives padding tokens, those of the spare slot, zeros). With
+        `kept`, the last layer's MLP runs on the kept tokens alone (models/kept_rows.py)."""
         cache.meta.copy_(meta)
         mask = cache.meta.view(1, 1, -1, 2)
         live = (positions >= 0).unsqueeze(-1)  # [1, T, 1]
+        extra = {"kept_rows": kept_rows(input_ids.shape[1], keep)} if kept else {}
         out = model(**_inputs(model, input_ids, live, zero_free_rows), position_ids=positions.clamp(min=0),
-                    attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep)
+                    attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep, **extra)
         logits: torch.Tensor = out.logits[0]
         return logits
 
