@@ -75,6 +75,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def takes_drafts(self) -> bool:
+        """Whether a row of these parameters may carry speculative drafts: its tokens are each row's maximum
+        (greedy, no penalties), so a draft is accepted exactly where greedy decoding would produce it; and no
+        logprobs (a verify step's drafts leave only their ids)."""
+        return self.is_greedy and not self.has_penalties and self.logprobs is None
+
 
 def _finite(params: SamplingParams, *names: str) -> None:
     for name in names:

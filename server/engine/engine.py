@@ -164,10 +164,11 @@ class Engine:
                 raise EngineNotReadyError(max(1.0, self.model.progress.eta()))
             if len(set(request_ids)) < len(request_ids) or any(rid in self._active for rid in request_ids):
                 raise ValueError(f"request ids {request_ids!r} are already in use")
+            speculates = bool(self._scheduler.speculative_tokens)  # and per request: SamplingParams.takes_drafts
             seqs = [Sequence(rid, len(prompt_ids), p.max_tokens,
                              frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids),
                              prompt_ids=tuple(prompt_ids) if self._scheduler.prefix_caching else (),
-                             ngrams=NgramIndex(prompt_ids) if self._speculates(p) else None)
+                             ngrams=NgramIndex(prompt_ids) if speculates and p.takes_drafts else None)
                     for prompt_ids, p, rid in zip(prompts, params, request_ids, strict=True)]
             samplers = [self.model.sampler(p, prompt_ids) for prompt_ids, p in zip(prompts, params)]
             try:
@@ -183,13 +184,6 @@ class Engine:
                 handles.append(handle)
             self._wake.notify_all()
         return handles
-
-    def _speculates(self, params: SamplingParams) -> bool:
-        """Whether a request's rows carry drafts: speculative decoding is on and its tokens are each row's maximum
-        (greedy, no penalties), so a draft is accepted exactly where greedy decoding would produce it; and no
-        logprobs (a verify step's drafts leave only their ids)."""
-        return bool(self._scheduler.speculative_tokens) and params.is_greedy and not params.has_penalties \
-            and params.logprobs is None
 
     def abort(self, request_id: str, reason: str = "client", message: str | None = None) -> None:
         """Thread-safe; frees the slot before the next step. The stream ends with finish_reason 'abort'."""

@@ -53,3 +53,13 @@ def test_vanishing_temperature_is_greedy_not_nan() -> None:
     row = torch.tensor([0.0, 50.0, 49.0])
     assert Sampler(SamplingParams(temperature=1e-40, seed=1), []).sample(row).token_id == 1
     assert Sampler(SamplingParams(temperature=1e-4, seed=1), []).sample(row * 1e6).token_id == 1
+
+
+def test_only_plain_greedy_rows_take_drafts() -> None:
+    """A draft is checked against the row's maximum, so only greedy rows without penalties or logprobs carry them."""
+    assert SamplingParams(temperature=0.0).takes_drafts
+    assert SamplingParams(temperature=1.0, top_k=1).takes_drafts  # greedy by top_k
+    assert not SamplingParams(temperature=1.0).takes_drafts
+    assert not SamplingParams(temperature=0.0, presence_penalty=0.5).takes_drafts
+    assert not SamplingParams(temperature=0.0, repetition_penalty=1.2).takes_drafts
+    assert not SamplingParams(temperature=0.0, logprobs=0).takes_drafts
