@@ -100,7 +100,7 @@ def install() -> bool:
         run = 0
         if native_library.has("runs"):
             runs = lib.bucketserve_run_attention if native_library.has("amx") else lib.bucketserve_run_attention_vec
-            run = ctypes.cast(runs, ctypes.c_void_p).value
+            run = ctypes.cast(runs, ctypes.c_void_p).value or 0
         ops = torch.ops.bucketserve_dispatch
         ops.bind(address, gated, attention, rms, piece, decode, run, native_library.shortest_run(),
                  native_library.openmp(),
