@@ -98,7 +98,7 @@ def install() -> bool:
         decode = ctypes.cast(lib.bucketserve_decode_attention, ctypes.c_void_p).value
         # short runs (a verify step's row and its drafts): on the tiles where usable, else on vector dot products
         run = 0
-        if native_library.has("runs"):
+        if native_library.shortest_run():
             runs = lib.bucketserve_run_attention if native_library.has("amx") else lib.bucketserve_run_attention_vec
             run = ctypes.cast(runs, ctypes.c_void_p).value or 0
         ops = torch.ops.bucketserve_dispatch

@@ -124,7 +124,7 @@ def _build(cc: str, out: Path) -> None:
 def _load() -> None:
     """Build (once per machine and source) and load the kernels into _state; on any failure (no compiler, a
     read-only cache, a failed build) record None, log it once, and let the callers use SDPA and oneDNN."""
-    _state.update(lib=None, parallel=False, matmul=False, amx=False)
+    _state.update(lib=None, parallel=False, matmul=False, amx=False, shortest_run=0)
     try:
         cc = _compiler()
         if cc is None:
@@ -170,7 +170,7 @@ def _load() -> None:
     amx = bool(lib.bucketserve_amx_supported())
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
                   matmul=bool(lib.bucketserve_small_matmul_supported()), amx=amx,
-                  runs=amx or bool(lib.bucketserve_run_vec_supported()))
+                  shortest_run=2 if amx else 3 if lib.bucketserve_run_vec_supported() else 0)
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
              _state["matmul"], _state["amx"])
 
@@ -198,9 +198,8 @@ def openmp() -> bool:
 
 
 def has(feature: str) -> bool:
-    """The loaded library has `feature` ("matmul": the small matmul, "amx": the AMX matmul usable here, "runs": a
-    kernel for bf16 runs of a few tokens, run_attention.c on the tiles or run_vec.c); call after available()
-    returned True."""
+    """The loaded library has `feature` ("matmul": the small matmul, "amx": the AMX matmul usable here); call
+    after available() returned True."""
     return bool(_state[feature])
 
 
@@ -209,7 +208,9 @@ def shortest_run() -> int:
     run, reading the slot's K/V once (0: none; bf16 only): 2 on AMX tiles (run_attention.c), 3 on vector dot products
     (run_vec.c: a run of 2 costs about what two decoding rows do, one of 4 ~0.65x; docs/performance.md). Call after
     available() returned True."""
-    return 2 if _state["amx"] else 3 if _state["runs"] else 0
+    shortest = _state["shortest_run"]
+    assert isinstance(shortest, int)
+    return shortest
 
 
 def lib() -> ctypes.CDLL:

@@ -399,7 +399,7 @@ at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at
         bool ok = true;
         const bool runs = !f32 && run_fn != nullptr;
         const std::vector<Call> calls = mixed_plan(meta.data_ptr<int64_t>(), tokens, spare, runs ? run_min : 0);
-        const auto is_run = [&](size_t i) {  // a short run of one slot (run_attention.c), its slot checked
+        const auto is_run = [&](size_t i) {  // a short run of one slot (run_fn), its slot checked
             const Call &c = calls[i];
             return runs && !c.decoding && c.last - c.first <= SHORT_RUN && c.slots[0] >= 0 && c.slots[0] < spare &&
                    c.ext[0] >= 0 && c.ext[0] + c.last - c.first <= capacity;
@@ -472,8 +472,9 @@ at::Tensor causal_kernel(const at::Tensor &query, const at::Tensor &key, const a
     return call_general(general, {query, key, value, scale});
 }
 
-// The kernels' entries (models/csrc/linear.c, decode_attention.c, rms_norm.c, piece_attention.c, run_attention.c; by
-// address), how they were built, whether the process may use AMX tiles, and where the switch lives.
+// The kernels' entries (models/csrc/linear.c, decode_attention.c, rms_norm.c, piece_attention.c, run_attention.c or
+// run_vec.c; by address), the shortest run the run kernel takes, how they were built, whether the process may use AMX
+// tiles, and where the switch lives.
 void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, int64_t rms_address,
           int64_t piece_address, int64_t decode_address, int64_t run_address, int64_t shortest_run, bool openmp,
           bool amx, int64_t switch_address) {
