@@ -64,6 +64,11 @@ def swap_last_layer(model: torch.nn.Module) -> bool:
     return True
 
 
+def keeps_rows(cls: type) -> bool:
+    """Whether `cls` is a swapped last layer (its forward reads `kept_rows`)."""
+    return cls in _SWAPPED.values()
+
+
 def kept_rows(tokens: int, keep: torch.Tensor) -> torch.Tensor:
     """[1, tokens, 1] bool: True at the `keep` indices ([R] long, into the step's token axis)."""
     kept = torch.zeros(tokens, dtype=torch.bool, device=keep.device).index_fill_(0, keep, True)

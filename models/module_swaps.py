@@ -12,6 +12,7 @@ import torch
 
 from models import native, native_matmul
 from models.compile import CompileSettings
+from models.fused_layer import swap_fused_layers
 from models.gated_mlp import fuse_gated_mlps
 from models.hardware import MEMORY_RESERVE, available_memory
 from models.kept_rows import swap_last_layer
@@ -31,6 +32,7 @@ class ModuleSwaps:
     fused_mlps: int  # gated SiLU MLPs as one op (models/gated_mlp.py)
     native_norms: int  # RMSNorms of prompt-sized steps in one C call (models/rms_norm.py)
     kept_rows: bool = False  # the last layer's MLP on the rows whose logits a step keeps (models/kept_rows.py)
+    fused_layers: int = 0  # decoder layers of mixed, verify and decode steps as two C++ ops (models/fused_layer.py)
 
 
 def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int) -> ModuleSwaps:
@@ -72,7 +74,10 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
     # The C++ linears skip zero rows, so zeroing the rows nobody reads makes the last MLP cheaper; elsewhere it
     # would cost a pass and save nothing.
     kept = native_ops and swap_last_layer(model)
-    return ModuleSwaps(prepacked, fused, norms, kept)
+    # Two op calls a layer instead of ~11 calls and kernels from the graph's Python (bf16: its roundings are the
+    # unfused layer's; float32 stays the reference path)
+    layers = swap_fused_layers(model) if native_ops and norms and dtype == torch.bfloat16 else 0
+    return ModuleSwaps(prepacked, fused, norms, kept, layers)
 
 
 def _copies_that_fit(model: torch.nn.Module) -> int:

@@ -36,12 +36,17 @@ from models import native_library
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "dispatch.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+SOURCE = _CSRC / "dispatch.cpp"
+# the fused decoder layer's two ops (models/fused_layer.py), built into the same library
+SOURCES = (SOURCE, _CSRC / "layer_ops.cpp")
+HEADER = _CSRC / "dispatch.h"
 # PyTorch's headers need C++17; they warn at it, hence -w.
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
 # The Python kernels the C++ ones replace (models/prepack.py, models/gated_mlp.py register on it).
 PY_CPU = torch.library.Library("bucketserve", "IMPL", "CPU")  # type: ignore[no-untyped-call]
-KERNELS = ("linear", "gated_silu", "attention", "rms_norm", "mixed_attention", "causal_attention")
+KERNELS = ("linear", "gated_silu", "attention", "rms_norm", "mixed_attention", "causal_attention", "qkv_rope",
+           "attn_mlp")
 _LOCK = threading.Lock()
 _state: dict[str, bool] = {}  # "installed": the C++ kernels serve the ops (absent: install() not tried yet)
 
@@ -56,7 +61,7 @@ def _command(cxx: str) -> list[str]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = cpp_extension.library_paths()
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [cxx, *_FLAGS, abi, *includes, str(SOURCE), *[f"-L{p}" for p in libs],
+    return [cxx, *_FLAGS, abi, *includes, *map(str, SOURCES), *[f"-L{p}" for p in libs],
             *[f"-Wl,-rpath,{p}" for p in libs], "-ltorch", "-ltorch_cpu", "-lc10", "-o"]
 
 
@@ -67,11 +72,12 @@ def _library() -> Path:
         raise RuntimeError("no C++ compiler (set CXX)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     command = _command(cxx)
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), version, " ".join(command), torch.__version__,
+    texts = (p.read_text() for p in (*SOURCES, HEADER))
+    key = hashlib.sha256("\0".join((*texts, version, " ".join(command), torch.__version__,
                                     torch.__file__)).encode()).hexdigest()[:20]
     path = native_library.native_cache_dir() / key / "dispatch.so"
     if not path.exists():
-        native_library.build_shared([command], path, SOURCE.name)
+        native_library.build_shared([command], path, ", ".join(p.name for p in SOURCES))
     return path
 
 
@@ -105,15 +111,18 @@ def install() -> bool:
         ops.bind(address, gated, attention, rms, piece, decode, run, native_library.shortest_run(),
                  native_library.openmp(),
                  native_library.has("amx"), native_library.switch_address())
+        ops.bind_layer(ctypes.cast(lib.bucketserve_rotary_bf16, ctypes.c_void_p).value,
+                       ctypes.cast(lib.bucketserve_add_bf16, ctypes.c_void_p).value)
         # every module whose Python kernel is on PY_CPU, imported before it goes (they import this module)
         import models.attention  # noqa: F401
+        import models.fused_layer  # noqa: F401
         import models.gated_mlp  # noqa: F401
         import models.rms_norm  # noqa: F401
 
         PY_CPU._destroy()  # type: ignore[no-untyped-call]  # first: one kernel per op and key, no override
         ops.install()
         _state["installed"] = True
-        log.info("bucketserve::%s run C++ kernels (%s)", ", ".join(KERNELS), SOURCE.name)
+        log.info("bucketserve::%s run C++ kernels (%s)", ", ".join(KERNELS), ", ".join(p.name for p in SOURCES))
         return True
 
 

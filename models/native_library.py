@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
            _CSRC / "piece_attention.c", _CSRC / "linear.c", _CSRC / "rms_norm.c",
-           _CSRC / "tiled_matmul.c", _CSRC / "run_attention.c", _CSRC / "run_vec.c", _CSRC / "argmax.c")
+           _CSRC / "tiled_matmul.c", _CSRC / "run_attention.c", _CSRC / "run_vec.c", _CSRC / "argmax.c",
+           _CSRC / "layer_math.c")
 HEADERS = (_CSRC / "vec16.h", _CSRC / "piece_products.h", _CSRC / "attention_common.h", _CSRC / "amx_tiles.h")
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
@@ -167,6 +168,10 @@ def _load() -> None:
     lib.bucketserve_rms_norm_bf16.restype = ctypes.c_int
     lib.bucketserve_argmax.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
     lib.bucketserve_argmax.restype = ctypes.c_int
+    lib.bucketserve_rotary_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.bucketserve_rotary_bf16.restype = ctypes.c_int
+    lib.bucketserve_add_bf16.argtypes = [ptr, ptr, ptr, i64]
+    lib.bucketserve_add_bf16.restype = ctypes.c_int
     amx = bool(lib.bucketserve_amx_supported())
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
                   matmul=bool(lib.bucketserve_small_matmul_supported()), amx=amx,

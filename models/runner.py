@@ -76,6 +76,7 @@ class ModelRunner:
         # After the cache: the weights' extra copies are made only where memory is left for them.
         swaps = swap_modules(model, compile_settings, tp_size)
         self.prepacked, self.fused_mlps, self.native_norms = swaps.prepacked, swaps.fused_mlps, swaps.native_norms
+        self.fused_layers = swaps.fused_layers
         self.keys = list(table.graph_keys())
         self._known = {(k.phase, k.batch, k.length): k for k in self.keys}
         self.warmed: set[tuple[str, int, int]] = set()

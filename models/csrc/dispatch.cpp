@@ -22,6 +22,8 @@
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
+#include "dispatch.h"
+
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -120,13 +122,12 @@ std::vector<int64_t> with_last(const at::Tensor &x, int64_t n) {
 // verify steps and a verify graph's padding logit rows: a 128-token bucket of 100 tokens computes 100 rows.
 bool rows_apart(int64_t kind) { return kind == 1 || kind == 2 || (kind >= 4 && kind <= 6); }
 
-// Whether row r of x [rows, k] (bf16 or fp32, contiguous) holds only zeros of either sign: a 64-byte line at a
+// Whether row r of x [rows, k] (bf16 or fp32, contiguous, at `data`) holds only zeros of either sign: a 64-byte line at a
 // time (eight words ORed with their sign bits masked, then one test), so a live row is told apart in its first
 // line and a free row of k = 1536 bf16 is 48 such tests; the tail element by element.
-bool zero_row(const at::Tensor &x, int64_t r, int64_t k) {
-    const bool f32 = x.scalar_type() == at::kFloat;
+bool zero_row(const unsigned char *data, bool f32, int64_t r, int64_t k) {
     const int64_t bytes = k * (f32 ? 4 : 2);
-    const unsigned char *row = static_cast<const unsigned char *>(x.data_ptr()) + r * bytes;
+    const unsigned char *row = data + r * bytes;
     const uint64_t magnitude = f32 ? 0x7fffffff7fffffffull : 0x7fff7fff7fff7fffull;
     int64_t i = 0;
     for (; i + 64 <= bytes; i += 64) {
@@ -156,8 +157,10 @@ int on_live_rows(const at::Tensor &x, at::Tensor &y, void *gate, int64_t rows, i
     if (rows < 2 || !rows_apart(kind)) return call(x.data_ptr(), y.data_ptr(), gate, rows);
     std::vector<int64_t> live;
     live.reserve(rows);
+    const auto *data = static_cast<const unsigned char *>(x.data_ptr());  // once: data_ptr() checks the storage
+    const bool f32 = x.scalar_type() == at::kFloat;
     for (int64_t r = 0; r < rows; r++)
-        if (!zero_row(x, r, k)) live.push_back(r);
+        if (!zero_row(data, f32, r, k)) live.push_back(r);
     const int64_t m = static_cast<int64_t>(live.size());
     if (m == rows) return call(x.data_ptr(), y.data_ptr(), gate, rows);
     const int64_t es = x.element_size();
@@ -522,9 +525,31 @@ void install() {
     installed->impl("rms_norm", TORCH_FN(rms_kernel));
     installed->impl("mixed_attention", TORCH_FN(mixed_kernel));
     installed->impl("causal_attention", TORCH_FN(causal_kernel));
+    bucketserve::install_layer_ops(*installed);
 }
 
 }  // namespace
+
+namespace bucketserve {
+
+at::Tensor linear(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    return linear_kernel(x, weight, bias);
+}
+at::Tensor gated_silu(const at::Tensor &x, const at::Tensor &gate, const at::Tensor &up) {
+    return gated_kernel(x, gate, std::nullopt, up, std::nullopt);
+}
+at::Tensor attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, const at::Tensor &mask,
+                     double scale) {
+    return attention_kernel(query, key, value, mask, scale);
+}
+at::Tensor mixed_attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
+                           const at::Tensor &meta, double scale) {
+    return mixed_kernel(query, key, value, meta, scale);
+}
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) { return rms_kernel(x, weight, eps); }
+bool native_on() { return switched_on != nullptr && *switched_on; }
+
+}  // namespace bucketserve
 
 TORCH_LIBRARY_FRAGMENT(bucketserve_dispatch, m) {
     m.def("bind(int linear, int gated, int attention, int rms, int piece, int decode, int run, int shortest_run, "

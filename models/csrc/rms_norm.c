@@ -13,32 +13,6 @@
  * instruction does (irrelevant after a normalisation, whose outputs are near 1 in magnitude). */
 #include "vec16.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-/* With AVX512-BF16 one instruction rounds 16 lanes (the vector-extension code below measured ~1.8x slower). */
-static inline v16f round_bf16(v16f x) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)x);
-    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-}
-static inline void put_bf16(uint16_t *p, v16f x) {
-    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)x));
-}
-static inline v16f get_bf16(const uint16_t *p) {
-    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-}
-#else
-/* fp32 lanes rounded to the nearest bf16 (even on ties), kept as fp32; finite inputs. */
-static inline v16f round_bf16(v16f x) {
-    v16u u;
-    memcpy(&u, &x, sizeof u);
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-static inline void put_bf16(uint16_t *p, v16f x) { store_bf16(p, x); }
-static inline v16f get_bf16(const uint16_t *p) { return load_bf16(p); }
-#endif
-
 /* x, out [rows, D] contiguous, weight [D]; rows split over `threads` (OpenMP, when built with it). Returns 0, or -1
  * when the shapes do not fit (the caller then runs the eager formula). */
 int bucketserve_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t D,

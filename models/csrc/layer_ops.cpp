@@ -1,0 +1,131 @@
+// bucketserve::qkv_rope and bucketserve::attn_mlp: a Llama-shaped decoder layer of a mixed, verify or decode step in
+// two C++ calls (models/fused_layer.py swaps the layers that call them; the K/V cache write stays in the graph,
+// between the two).
+//
+// Why: the unfused layer is ~7 op calls and ~4 inductor kernels from the graph's Python wrapper, plus as many size
+// asserts, reinterprets and allocations: ~3 ms of a 16-ms batch-8 decode step (perf, one thread, AMD EPYC Zen 5)
+// went to Python, the dispatcher and inductor's elementwise kernels rather than the linears and the attention. Here
+// the same kernels (dispatch.cpp's, the same choices and the same bits) are called one after another from C++.
+//
+// Numerics: the same as the unfused bf16 layer. The RMSNorms always take rms_norm.c (the unfused layer leaves steps
+// under 64 rows to inductor's formula, whose mean sums in another order: a rounding step apart, rarely); the rotary
+// rounds each product as eager does (layer_math.c); the residual adds are ATen's bf16 adds.
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/neg.h>
+
+#include <cstring>
+#include <tuple>
+
+#include "dispatch.h"
+
+namespace {
+
+// layer_math.c's entries, bound by address (models/native_dispatch.py)
+using RotaryFn = int (*)(void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads, int64_t dim,
+                         int64_t stride, int64_t cs_stride);
+using AddFn = int (*)(const void *a, const void *b, void *out, int64_t n);
+RotaryFn rotary_fn = nullptr;
+AddFn add_fn = nullptr;
+
+// a + b (same shape, bf16: layer_math.c, else ATen's add; the same bits), a new contiguous tensor
+at::Tensor residual_add(const at::Tensor &a, const at::Tensor &b) {
+    if (bucketserve::native_on() && add_fn != nullptr && a.scalar_type() == at::kBFloat16 &&
+        b.scalar_type() == at::kBFloat16 && a.sizes() == b.sizes() && a.is_contiguous() && b.is_contiguous()) {
+        at::Tensor out = at::empty_like(a);
+        if (add_fn(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel()) == 0) return out;
+    }
+    return at::add(a, b).contiguous();
+}
+
+// x [..., heads * dim] contiguous (its rows the tokens), rotated in place by cos / sin [..., dim] (a row per token,
+// or one row for all): layer_math.c, else the eager formula in ATen's bf16 ops (each rounded, as eager's).
+void rotate(at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin, int64_t dim) {
+    const int64_t width = x.size(-1), tokens = x.numel() / width, heads = width / dim;
+    const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+    const int64_t rows = c.numel() / dim;
+    TORCH_CHECK(width % dim == 0 && c.size(-1) == dim && s.sizes() == c.sizes() && (rows == tokens || rows == 1),
+                "rotary: ", x.sizes(), " rows against cos ", c.sizes(), " of head dim ", dim);
+    if (bucketserve::native_on() && rotary_fn != nullptr && x.is_contiguous() && x.scalar_type() == at::kBFloat16 &&
+        c.scalar_type() == at::kBFloat16 && s.scalar_type() == at::kBFloat16 &&
+        rotary_fn(x.data_ptr(), c.data_ptr(), s.data_ptr(), tokens, heads, dim, width, rows == 1 ? 0 : dim) == 0)
+        return;
+    at::Tensor v = x.view({tokens, heads, dim});
+    const at::Tensor rotated = at::cat({at::neg(v.narrow(2, dim / 2, dim / 2)), v.narrow(2, 0, dim / 2)}, 2);
+    v.copy_(at::add(at::mul(v, c.view({rows, 1, dim})), at::mul(rotated, s.view({rows, 1, dim}))));
+}
+
+// x [b, T, E] (the layer's input) -> q [b, T, H * D], k, v [b, T, H_kv * D]: the input RMSNorm, the three
+// projections, and the rotary embedding of q and k (cos, sin [b or 1, T, D]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope_kernel(const at::Tensor &x, const at::Tensor &norm, double eps,
+                                                               const at::Tensor &wq, const at::Tensor &wk,
+                                                               const at::Tensor &wv, const at::Tensor &cos,
+                                                               const at::Tensor &sin, int64_t head_dim) {
+    const at::Tensor h = bucketserve::rms_norm(x, norm, eps);
+    at::Tensor q = bucketserve::linear(h, wq, std::nullopt).contiguous();
+    at::Tensor k = bucketserve::linear(h, wk, std::nullopt).contiguous();
+    at::Tensor v = bucketserve::linear(h, wv, std::nullopt).contiguous();
+    rotate(q, cos, sin, head_dim);
+    rotate(k, cos, sin, head_dim);
+    return {q, k, v};
+}
+
+// The rest of the layer, after the graph wrote k and v into the cache: attention over key / value (the cache's
+// buffers), the output projection and residual, the post-attention RMSNorm, the gated MLP and residual.
+//   mixed or verify step: x [1, T, E], q [1, T, H * D], key / value [S + 1, H_kv, C, D], mask [1, 1, T, 2] long
+//     (slot, position) per token: bucketserve::mixed_attention's;
+//   decode step: x [b, 1, E], q [b, 1, H * D], key / value [b, H_kv, C, D], mask [b, 1, 1, K] additive (K <= C:
+//     the KV bucket, whose first K positions are read): bucketserve::attention's, query heads packed by KV group.
+// kept ([1, T, 1] bool, the last layer of a step that keeps some rows' logits): the MLP's input is zeroed on the
+// other rows (models/kept_rows.py: the linears skip zero rows). Returns the layer's output [b, T, E].
+at::Tensor attn_mlp_kernel(const at::Tensor &x, const at::Tensor &q, const at::Tensor &key, const at::Tensor &value,
+                           const at::Tensor &mask, const at::Tensor &wo, const at::Tensor &norm, double eps,
+                           const at::Tensor &wg, const at::Tensor &wu, const at::Tensor &wd,
+                           const std::optional<at::Tensor> &kept, double scale, int64_t head_dim) {
+    const int64_t b = q.size(0), tokens = q.size(1), heads = q.size(2) / head_dim;
+    at::Tensor attended;  // [b, T, H * D]
+    if (mask.scalar_type() == at::kLong) {
+        const at::Tensor query = q.view({b, tokens, heads, head_dim}).transpose(1, 2);  // [1, H, T, D]
+        attended = bucketserve::mixed_attention(query, key, value, mask, scale).transpose(1, 2).reshape(q.sizes());
+    } else {
+        const int64_t kv_heads = key.size(1), width = mask.size(-1);
+        const at::Tensor query = q.view({b, kv_heads, heads / kv_heads, head_dim});  // head h = kv * G + g
+        const at::Tensor k = key.size(2) > width ? key.narrow(2, 0, width) : key;
+        const at::Tensor v = value.size(2) > width ? value.narrow(2, 0, width) : value;
+        attended = bucketserve::attention(query, k, v, mask, scale).reshape(q.sizes());
+    }
+    const at::Tensor mid = residual_add(x, bucketserve::linear(attended, wo, std::nullopt));
+    at::Tensor h = bucketserve::rms_norm(mid, norm, eps);
+    if (kept.has_value()) {
+        const at::Tensor keep = kept->to(at::kBool).contiguous();
+        TORCH_CHECK(keep.numel() == h.numel() / h.size(-1) && h.is_contiguous(), "kept rows: ", keep.sizes());
+        const bool *on = keep.data_ptr<bool>();
+        char *row = static_cast<char *>(h.data_ptr());
+        const int64_t bytes = h.size(-1) * h.element_size();
+        for (int64_t r = 0; r < keep.numel(); r++)
+            if (!on[r]) std::memset(row + r * bytes, 0, bytes);
+    }
+    return residual_add(mid, bucketserve::linear(bucketserve::gated_silu(h, wg, wu), wd, std::nullopt));
+}
+
+void bind_layer(int64_t rotary, int64_t add) {
+    rotary_fn = reinterpret_cast<RotaryFn>(rotary);
+    add_fn = reinterpret_cast<AddFn>(add);
+}
+
+}  // namespace
+
+namespace bucketserve {
+
+void install_layer_ops(torch::Library &lib) {
+    lib.impl("qkv_rope", TORCH_FN(qkv_rope_kernel));
+    lib.impl("attn_mlp", TORCH_FN(attn_mlp_kernel));
+}
+
+}  // namespace bucketserve
+
+TORCH_LIBRARY_FRAGMENT(bucketserve_dispatch, m) {
+    m.def("bind_layer(int rotary, int add) -> ()", &bind_layer);
+}
