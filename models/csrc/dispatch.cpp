@@ -6,7 +6,8 @@
 // (models/native_dispatch.py builds, loads and installs it).
 //
 // The kernels (models/csrc/linear.c) are bound by address from the library ctypes loaded (models/native_library.py):
-// one copy of them in the process, and no link-time dependency between the two builds.
+// one copy of them in the process, and no link-time dependency between the two builds. The fused decoder layer's ops
+// (layer_ops.cpp, built into the same library) call these kernels as the functions dispatch.h declares.
 #include <ATen/Parallel.h>
 #include <ATen/ops/add.h>
 #include <ATen/core/Tensor.h>
