@@ -303,8 +303,8 @@ def test_tile_pack_puts_each_weight_pair_where_the_tiles_read_it() -> None:
 def test_tile_matmuls_equal_a_float32_matmul(kernel: str, rows: int, out_features: int, in_features: int,
                                              threads: int) -> None:
     """The AMX matmul (2-128 rows) and the vector matmul on the same tile copy (1-128; CPUs without AMX, and on AMX
-    CPUs too when called): every row count in their blocks (the vector one's passes of up to 12 rows: 13 = 6 + 7,
-    25 = 8 + 8 + 9), each thread's share of the column groups."""
+    CPUs too when called): every row count in their blocks (the vector one's passes of up to 12 rows, the first a
+    full one: 13 = 12 + 1, 16 = 12 + 4, 25 = 12 + 6 + 7), each thread's share of the column groups."""
     if kernel == "amx":
         _amx_or_skip()
         if rows < native_matmul.AMX_MIN_ROWS:
