@@ -14,11 +14,12 @@ the dispatcher and those small kernels. The swapped layer calls
 and the C++ kernels call the unfused layer's own kernels (the same choices, the same bits), so a layer is two op
 calls and one inductor kernel.
 
-Which layers: LAYER_TYPES (Llama's forward; checked against the installed transformers by
-tests/models/test_fused_layer.py) whose projections and MLP are the prepacked, bias-free, SiLU-gated ones and whose
+Which layers: transformers' LlamaDecoderLayer with LlamaAttention (or session 49's kept-rows swap of it; a
+subclass may compute otherwise), whose projections and MLP are the prepacked, bias-free, SiLU-gated ones and whose
 norms are the native RMSNorm (so their formula was checked: models/rms_norm.py), in bf16 with the C++ kernels
-installed. Which steps: those with the slot cache's mixed or decode layers (mixed, verify and decode graphs); a
-prefill or chunk step, or any other call, runs the layer's own forward. The last layer keeps its kept-rows MLP
+installed. tests/models/test_fused_layer.py runs the installed transformers' layer against the ops, bit for bit.
+Which steps: those with the slot cache's mixed or decode layers (mixed, verify and decode graphs); a prefill or chunk
+step, or any other call, runs the layer's own forward. The last layer keeps its kept-rows MLP
 (models/kept_rows.py): the op zeroes the MLP input of the rows whose logits the step does not keep.
 """
 
@@ -34,7 +35,9 @@ from models.prepack import PrepackedLinear
 from models.rms_norm import NativeRMSNorm
 from models.slot_cache import DecodeCache, MixedCache
 
-LAYER_TYPES = frozenset({"LlamaDecoderLayer"})  # Mistral passes a sliding window to its attention
+# Exactly these classes (Mistral's layer passes a sliding window to its attention: not fused)
+LAYER_TYPES = frozenset({"LlamaDecoderLayer", "KeptRowsLlamaDecoderLayer"})
+ATTENTION_TYPE = "LlamaAttention"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
@@ -103,12 +106,12 @@ def _forward(self: Any, hidden_states: torch.Tensor, attention_mask: torch.Tenso
 
 
 def _fusable(layer: torch.nn.Module) -> bool:
-    """A LAYER_TYPES layer (or its kept-rows swap) with bias-free prepacked projections, a fused SiLU MLP without
+    """A LAYER_TYPES layer with ATTENTION_TYPE attention, bias-free prepacked projections, a fused SiLU MLP without
     biases, native RMSNorms, and an even head dim."""
-    if not any(c.__name__ in LAYER_TYPES for c in type(layer).__mro__) or type(layer) in _SWAPPED.values():
+    if type(layer).__name__ not in LAYER_TYPES:
         return False
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or type(mlp) is not GatedSiLUMLP or hasattr(attn, "q_norm") or hasattr(attn, "sinks"):
+    if type(attn).__name__ != ATTENTION_TYPE or type(mlp) is not GatedSiLUMLP:
         return False
     linears = [getattr(attn, name, None) for name in PROJECTIONS]
     linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
