@@ -59,8 +59,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import native, native_dispatch
+from models import huge_pages, native, native_dispatch
 from models.compile import QUANTIZE_MODES
+from models.hardware import MEMORY_RESERVE, available_memory
 from models.native_matmul import (
     AMX,
     AMX_MAX_ROWS,
@@ -216,6 +217,7 @@ def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int
         raise ValueError("--quantize int8 needs a CPU with AMX or AVX512-BF16 (and the native kernels on): its "
                          "matmul converts the int8 weights for bf16 products")
     weights: set[int] = set()
+    made: list[int] = []  # weights packed by this call
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES:
             weight = module.weight.detach()
@@ -226,12 +228,38 @@ def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int
                     onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if entry is None else entry.onednn
                     _PACKED[key] = packed = _packed(weight, onednn, quantize, tiles)
                     _mirror(key, packed)
+                    made.append(key)
                     if entry is None:
                         weakref.finalize(module.weight, _forget, key)
             module.__class__ = PrepackedLinear
         if type(module) is PrepackedLinear:
             weights.add(module.weight.data_ptr())
+    _onto_huge_pages(made)
     return len(weights)
+
+
+def _onto_huge_pages(keys: list[int]) -> None:
+    """Move the bf16 tile copies of these packed weights into one buffer on huge pages (models/huge_pages.py),
+    where memory allows the moment both are alive; each kernel that read the old copy reads the new one."""
+    with _LOCK:
+        entries = [(key, _PACKED[key]) for key in keys if key in _PACKED]
+        moving = [(key, p) for key, p in entries if p.tiles is not None and p.tiles.dtype == torch.bfloat16]
+        size = sum(p.tiles.numel() * 2 for _, p in moving if p.tiles is not None)
+        free = available_memory()
+        if not moving or (free is not None and free < size + MEMORY_RESERVE):
+            return
+        moved = huge_pages.copies([p.tiles for _, p in moving if p.tiles is not None])
+        for (key, old), tiles in zip(moving, moved):
+            assert old.tiles is not None
+            before, after = old.tiles.data_ptr(), tiles.data_ptr()
+            one, few = (_reading(k, before, after) for k in (old.one, old.few))
+            _PACKED[key] = packed = old._replace(tiles=tiles, one=one, few=few)
+            _mirror(key, packed)  # the C++ kernels read the new copy from here on; the old one goes with `old`
+
+
+def _reading(kernel: Kernel | None, before: int, after: int) -> Kernel | None:
+    """`kernel` reading the copy at `after` where it read the one at `before`."""
+    return (kernel[0], after, kernel[2]) if kernel is not None and kernel[1] == before else kernel
 
 
 def packable_bytes(model: nn.Module) -> int:
