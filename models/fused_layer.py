@@ -35,8 +35,8 @@ from models.prepack import PrepackedLinear
 from models.rms_norm import NativeRMSNorm
 from models.slot_cache import DecodeCache, MixedCache
 
-# Exactly these classes (Mistral's layer passes a sliding window to its attention: not fused)
-LAYER_TYPES = frozenset({"LlamaDecoderLayer", "KeptRowsLlamaDecoderLayer"})
+# Exactly these classes, or their kept-rows swap (Mistral's layer passes a sliding window to its attention: not fused)
+LAYER_TYPES = frozenset({"LlamaDecoderLayer"})
 ATTENTION_TYPE = "LlamaAttention"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -108,7 +108,8 @@ def _forward(self: Any, hidden_states: torch.Tensor, attention_mask: torch.Tenso
 def _fusable(layer: torch.nn.Module) -> bool:
     """A LAYER_TYPES layer with ATTENTION_TYPE attention, bias-free prepacked projections, a fused SiLU MLP without
     biases, native RMSNorms, and an even head dim."""
-    if type(layer).__name__ not in LAYER_TYPES:
+    cls = type(layer)
+    if (cls.__bases__[0] if kept_rows.keeps_rows(cls) else cls).__name__ not in LAYER_TYPES:
         return False
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if type(attn).__name__ != ATTENTION_TYPE or type(mlp) is not GatedSiLUMLP:
