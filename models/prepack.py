@@ -242,18 +242,17 @@ def _onto_huge_pages(keys: list[int]) -> None:
     """Move the bf16 tile copies of these packed weights into one buffer on huge pages (models/huge_pages.py),
     where memory allows the moment both are alive; each kernel that read the old copy reads the new one."""
     with _LOCK:
-        entries = [(key, _PACKED[key]) for key in keys if key in _PACKED]
-        moving = [(key, p) for key, p in entries if p.tiles is not None and p.tiles.dtype == torch.bfloat16]
-        size = sum(p.tiles.numel() * 2 for _, p in moving if p.tiles is not None)
+        moving = [(key, p, p.tiles) for key in keys if (p := _PACKED.get(key)) is not None
+                  and p.tiles is not None and p.tiles.dtype == torch.bfloat16]
+        size = sum(tiles.numel() * 2 for _, _, tiles in moving)
         free = available_memory()
         if not moving or (free is not None and free < size + MEMORY_RESERVE):
             return
-        moved = huge_pages.copies([p.tiles for _, p in moving if p.tiles is not None])
-        for (key, old), tiles in zip(moving, moved):
-            assert old.tiles is not None
-            before, after = old.tiles.data_ptr(), tiles.data_ptr()
+        moved = huge_pages.copies([tiles for _, _, tiles in moving])
+        for (key, old, tiles), new in zip(moving, moved):
+            before, after = tiles.data_ptr(), new.data_ptr()
             one, few = (_reading(k, before, after) for k in (old.one, old.few))
-            _PACKED[key] = packed = old._replace(tiles=tiles, one=one, few=few)
+            _PACKED[key] = packed = old._replace(tiles=new, one=one, few=few)
             _mirror(key, packed)  # the C++ kernels read the new copy from here on; the old one goes with `old`
 
 

@@ -9,7 +9,7 @@
 //
 // Numerics: the same as the unfused bf16 layer. The RMSNorms always take rms_norm.c (the unfused layer leaves steps
 // under 64 rows to inductor's formula, whose mean sums in another order: a rounding step apart, rarely); the rotary
-// rounds each product as eager does (layer_math.c); the residual adds are ATen's bf16 adds.
+// rounds each product as eager does, and the residual adds are bf16 adds (both layer_math.c).
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/cat.h>
