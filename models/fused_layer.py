@@ -1,5 +1,5 @@
-"""Llama-shaped decoder layers of mixed, verify and decode steps as two C++ op calls (a CPU module swap,
-models/module_swaps.py; the ops' kernels are models/csrc/layer_ops.cpp).
+"""Llama-shaped decoder layers of mixed, verify and decode steps as two C++ op calls, and all of them as one where
+every layer is swapped (a CPU module swap, models/module_swaps.py; the ops' kernels are models/csrc/layer_ops.cpp).
 
 Why: a decoder layer in a compiled step is ~7 op calls (the RMSNorm, q / k / v / o projections, attention, gated MLP,
 down projection) and ~4 inductor kernels (rotary halves, the rotary sum with the cache write, residual adds with
@@ -13,6 +13,12 @@ the dispatcher and those small kernels. The swapped layer calls
 
 and the C++ kernels call the unfused layer's own kernels (the same choices, the same bits), so a layer is two op
 calls and one inductor kernel.
+
+Where every decoder layer of the model is swapped (and they share the norms' eps, the attention scale and the head
+dim), the first layer runs them all as one `bucketserve::decoder_stack` call (qkv_rope, the K/V write and attn_mlp a
+layer, in C++: layer_ops.cpp) and the others pass its output on: the graph calls one op a step instead of 90 calls
+from its Python. The op declares the caches it writes (`Tensor(a!)[]`): inductor calls it on the cache buffers in
+place, as it ran the graph's index_copy_ (no copies in the generated code).
 
 Which layers: transformers' LlamaDecoderLayer with LlamaAttention (or session 49's kept-rows swap of it; a
 subclass may compute otherwise), whose projections and MLP are the prepacked, bias-free, SiLU-gated ones and whose
@@ -45,6 +51,10 @@ _LIB.define("qkv_rope(Tensor x, Tensor norm, float eps, Tensor wq, Tensor wk, Te
             "int head_dim) -> (Tensor, Tensor, Tensor)")
 _LIB.define("attn_mlp(Tensor x, Tensor q, Tensor key, Tensor value, Tensor mask, Tensor wo, Tensor norm, float eps, "
             "Tensor wg, Tensor wu, Tensor wd, Tensor? kept, float scale, int head_dim) -> Tensor")
+# Every layer of a step in one call: qkv_rope, the K/V write and attn_mlp per layer, in C++ (mutates keys / values:
+# inductor calls it on the cache buffers in place, as it ran the graph's index_copy_)
+_LIB.define("decoder_stack(Tensor x, Tensor[] weights, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor mask, "
+            "Tensor cos, Tensor sin, Tensor write, Tensor? kept, float eps, float scale, int head_dim) -> Tensor")
 
 
 def _qkv_rope_fake(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor, wk: torch.Tensor,
@@ -61,8 +71,17 @@ def _attn_mlp_fake(x: torch.Tensor, q: torch.Tensor, key: torch.Tensor, value: t
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _decoder_stack_fake(x: torch.Tensor, weights: list[torch.Tensor], keys: list[torch.Tensor],
+                        values: list[torch.Tensor], mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        write: torch.Tensor, kept: torch.Tensor | None, eps: float, scale: float,
+                        head_dim: int) -> torch.Tensor:
+    """-> [b, T, E] contiguous, the last layer's output."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 torch.library.register_fake("bucketserve::qkv_rope", _qkv_rope_fake, lib=_LIB)
 torch.library.register_fake("bucketserve::attn_mlp", _attn_mlp_fake, lib=_LIB)
+torch.library.register_fake("bucketserve::decoder_stack", _decoder_stack_fake, lib=_LIB)
 _SWAPPED: dict[type, type] = {}
 
 
@@ -88,6 +107,12 @@ def _forward(self: Any, hidden_states: torch.Tensor, attention_mask: torch.Tenso
                                          cache=cache, use_cache=use_cache,
                                          position_embeddings=position_embeddings, **kwargs)
         return out
+    stack: tuple[Any, ...] | None = self.__dict__.get("_stack")
+    if stack is not None:  # one op runs every layer, from the first: the others pass its output on
+        if self is not stack[0]:
+            return hidden_states
+        assert attention_mask is not None and position_embeddings is not None  # _takes checked both
+        return _stack_forward(stack, hidden_states, attention_mask, cache, position_embeddings, kwargs)
     kept = kwargs.pop("kept_rows", None) if kept_rows.keeps_rows(base) else None
     attn, mlp = self.self_attn, self.mlp
     dim = attn.head_dim
@@ -103,6 +128,42 @@ def _forward(self: Any, hidden_states: torch.Tensor, attention_mask: torch.Tenso
                                          float(self.post_attention_layernorm.variance_epsilon), mlp.gate_proj.weight,
                                          mlp.up_proj.weight, mlp.down_proj.weight, kept, float(attn.scaling), dim)
     return out
+
+
+def _stack_forward(stack: tuple[Any, ...], hidden_states: torch.Tensor, mask: torch.Tensor, cache: Any,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor], kwargs: dict[str, Any]) -> torch.Tensor:
+    """Every layer of `stack` (the model's, in order) as one bucketserve::decoder_stack call. hidden_states
+    [b, T, E]; the K/V go where the cache's layers would write them: a decode step's rows at cache.write_pos [b], a
+    mixed or verify step's tokens at cache.meta [T, 2] (slot, position)."""
+    last = stack[-1]
+    kept = kwargs.pop("kept_rows", None) if kept_rows.keeps_rows(last._fused_base) else None
+    weights = [w for layer in stack for w in (
+        layer.input_layernorm.weight, layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+        layer.self_attn.v_proj.weight, layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
+        layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight)]
+    layers = [cache.layers[layer.self_attn.layer_idx] for layer in stack]
+    write = cache.meta if isinstance(cache, MixedCache) else cache.write_pos
+    cos, sin = position_embeddings
+    first = stack[0]
+    out: torch.Tensor = torch.ops.bucketserve.decoder_stack(
+        hidden_states, weights, [layer.k for layer in layers], [layer.v for layer in layers], mask, cos, sin, write,
+        kept, float(first.input_layernorm.variance_epsilon), float(first.self_attn.scaling), first.self_attn.head_dim)
+    return out
+
+
+def _stackable(layers: list[Any]) -> bool:
+    """Whether one decoder_stack call may run `layers` (every decoder layer of the model, all fused): layer i's
+    cache layer is i, and the norms' eps, the attention scale and the head dim are the same in every layer (the op
+    takes one of each)."""
+    first = layers[0]
+    eps = float(first.input_layernorm.variance_epsilon)
+    return all(
+        getattr(layer.self_attn, "layer_idx", None) == i
+        and float(layer.input_layernorm.variance_epsilon) == eps
+        and float(layer.post_attention_layernorm.variance_epsilon) == eps
+        and layer.self_attn.scaling == first.self_attn.scaling
+        and layer.self_attn.head_dim == first.self_attn.head_dim
+        for i, layer in enumerate(layers))
 
 
 def _fusable(layer: torch.nn.Module) -> bool:
@@ -134,4 +195,8 @@ def swap_fused_layers(model: torch.nn.Module) -> int:
         if cls not in _SWAPPED:
             _SWAPPED[cls] = type(f"Fused{cls.__name__}", (cls,), {"forward": _forward, "_fused_base": cls})
         layer.__class__ = _SWAPPED[cls]
+    if found and len(found) == len(layers) and _stackable(found):
+        stack = tuple(found)
+        for layer in found:  # a plain attribute (not a submodule): the layers stay where they were
+            layer.__dict__["_stack"] = stack
     return len(found)

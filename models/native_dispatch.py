@@ -1,6 +1,7 @@
 """The CPU kernels of `bucketserve::linear`, `gated_silu`, `attention`, `rms_norm`, `mixed_attention` and
-`causal_attention` in C++ (models/csrc/dispatch.cpp), and of the fused decoder layer's `qkv_rope` and `attn_mlp`
-(models/csrc/layer_ops.cpp, which calls the others' kernels directly: models/fused_layer.py).
+`causal_attention` in C++ (models/csrc/dispatch.cpp), and of the fused decoder layer's `qkv_rope` and `attn_mlp` and
+the whole stack's `decoder_stack` (models/csrc/layer_ops.cpp, which calls the others' kernels directly:
+models/fused_layer.py).
 
 Why: a decode step calls these ops ~180 times (SmolLM2-135M: 121 linears, 30 MLPs, 30 attentions). Registered as
 Python kernels, each call goes op -> dispatcher -> Python -> ctypes: a linear 8.7 us against 1.7 us for a C++
@@ -47,7 +48,7 @@ _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
 # The Python kernels the C++ ones replace (models/prepack.py, models/gated_mlp.py register on it).
 PY_CPU = torch.library.Library("bucketserve", "IMPL", "CPU")  # type: ignore[no-untyped-call]
 KERNELS = ("linear", "gated_silu", "attention", "rms_norm", "mixed_attention", "causal_attention", "qkv_rope",
-           "attn_mlp")
+           "attn_mlp", "decoder_stack")
 _LOCK = threading.Lock()
 _state: dict[str, bool] = {}  # "installed": the C++ kernels serve the ops (absent: install() not tried yet)
 

@@ -20,6 +20,6 @@ at::Tensor mixed_attention(const at::Tensor &query, const at::Tensor &key, const
 at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps);
 bool native_on();  // the native kernels' switch (--no-native-kernels turns it off)
 
-void install_layer_ops(torch::Library &lib);  // qkv_rope and attn_mlp's CPU kernels
+void install_layer_ops(torch::Library &lib);  // qkv_rope, attn_mlp and decoder_stack: CPU kernels
 
 }  // namespace bucketserve

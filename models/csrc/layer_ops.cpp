@@ -110,6 +110,64 @@ at::Tensor attn_mlp_kernel(const at::Tensor &x, const at::Tensor &q, const at::T
     return residual_add(mid, bucketserve::linear(bucketserve::gated_silu(h, wg, wu), wd, std::nullopt));
 }
 
+// The step's k or v [b, T, H_kv * D] (contiguous) into one layer's cache buffer [S, H_kv, C, D] (D contiguous), as
+// slot_cache.py's layers write it: a mixed or verify step (`write` [T, 2] long: (slot, position) per token, b = 1)
+// puts token t's head h at [slot, h, position]; a decode step (`write` [b] long: each row's position, T = 1) puts
+// row i's head h at [i, h, position]. Out-of-range slots or positions are an error (the graph's index_copy_ raised
+// one too).
+void write_kv(const at::Tensor &rows, const at::Tensor &cache, const at::Tensor &write, int64_t head_dim) {
+    const int64_t heads = cache.size(1), capacity = cache.size(2), es = cache.element_size();
+    const bool mixed = write.dim() == 2;
+    const int64_t tokens = mixed ? write.size(0) : rows.size(0);
+    TORCH_CHECK(rows.is_contiguous() && rows.scalar_type() == cache.scalar_type() && write.scalar_type() == at::kLong &&
+                    write.is_contiguous() && cache.size(3) == head_dim && cache.stride(3) == 1 &&
+                    rows.numel() == tokens * heads * head_dim && (mixed ? write.size(1) == 2 : rows.size(1) == 1),
+                "K/V write: rows ", rows.sizes(), " into ", cache.sizes(), " by ", write.sizes());
+    const int64_t *w = write.data_ptr<int64_t>();
+    const char *src = static_cast<const char *>(rows.data_ptr());
+    char *dst = static_cast<char *>(cache.data_ptr());
+    const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2), bytes = head_dim * es;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = mixed ? w[2 * t] : t, pos = mixed ? w[2 * t + 1] : w[t];
+        TORCH_CHECK(slot >= 0 && slot < cache.size(0) && pos >= 0 && pos < capacity, "K/V write: slot ", slot,
+                    " position ", pos, " outside ", cache.sizes());
+        // every destination line asked for first: the rows land in lines that are mostly not cached (a decode
+        // step's 8 rows x 3 heads x 30 layers x K and V), whose misses one after another cost ~0.1 ms a step
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(dst + (slot * s0 + h * s1 + pos * s2) * es + b, 1);
+    }
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = mixed ? w[2 * t] : t, pos = mixed ? w[2 * t + 1] : w[t];
+        for (int64_t h = 0; h < heads; h++)
+            std::memcpy(dst + (slot * s0 + h * s1 + pos * s2) * es, src + (t * heads + h) * bytes, bytes);
+    }
+}
+
+// bucketserve::decoder_stack: every decoder layer of a step in one call (models/fused_layer.py). x [b, T, E];
+// weights: 9 a layer (input norm, q, k, v, o, post-attention norm, gate, up, down); keys / values: each layer's
+// cache buffers, written here (write_kv) between the layer's qkv_rope and attn_mlp kernels, as the graph wrote them
+// between the two ops; mask, cos, sin, kept, scale, head_dim: attn_mlp's and qkv_rope's (kept: the last layer's).
+// The same kernels in the same order as the per-layer ops: the same bits. Why: two op calls and a graph kernel a
+// layer, each from the graph's Python with its argument conversion and dispatch, cost ~2 ms of a step (AMD EPYC
+// Zen 5, one thread: a 128-token mixed step ~5 ms outside the kernels, a one-row decode step ~2).
+at::Tensor stack_kernel(const at::Tensor &x, at::TensorList weights, at::TensorList keys, at::TensorList values,
+                        const at::Tensor &mask, const at::Tensor &cos, const at::Tensor &sin, const at::Tensor &write,
+                        const std::optional<at::Tensor> &kept, double eps, double scale, int64_t head_dim) {
+    const size_t layers = keys.size();
+    TORCH_CHECK(layers > 0 && values.size() == layers && weights.size() == 9 * layers, "decoder_stack: ",
+                weights.size(), " weights for ", keys.size(), " key and ", values.size(), " value buffers");
+    at::Tensor h = x;
+    for (size_t l = 0; l < layers; l++) {
+        const at::Tensor *w = weights.data() + 9 * l;
+        auto [q, k, v] = qkv_rope_kernel(h, w[0], eps, w[1], w[2], w[3], cos, sin, head_dim);
+        write_kv(k, keys[l], write, head_dim);
+        write_kv(v, values[l], write, head_dim);
+        h = attn_mlp_kernel(h, q, keys[l], values[l], mask, w[4], w[5], eps, w[6], w[7], w[8],
+                            l + 1 == layers ? kept : std::nullopt, scale, head_dim);
+    }
+    return h;
+}
+
 void bind_layer(int64_t rotary, int64_t add) {
     rotary_fn = reinterpret_cast<RotaryFn>(rotary);
     add_fn = reinterpret_cast<AddFn>(add);
@@ -122,6 +180,7 @@ namespace bucketserve {
 void install_layer_ops(torch::Library &lib) {
     lib.impl("qkv_rope", TORCH_FN(qkv_rope_kernel));
     lib.impl("attn_mlp", TORCH_FN(attn_mlp_kernel));
+    lib.impl("decoder_stack", TORCH_FN(stack_kernel));
 }
 
 }  // namespace bucketserve

@@ -80,15 +80,23 @@ def _runner(path: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> ModelRun
 
 @needs_ops
 @needs_onednn
-def test_fused_steps_give_the_unfused_logits_bit_for_bit(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("stacked", [True, False])
+def test_fused_steps_give_the_unfused_logits_bit_for_bit(tiny_llama: str, monkeypatch: pytest.MonkeyPatch,
+                                                         stacked: bool) -> None:
     """Compiled mixed, verify and decode steps, one after another on the same slots (each reads what the last wrote),
-    fused against unfused. Both take the native RMSNorm at every size (the unfused decode-sized steps would take
-    inductor's formula, a rounding step apart at times), so the logits are equal, not merely close."""
+    fused against unfused: every layer in one decoder_stack call (the default where every layer is fused), or two
+    ops a layer. Both take the native RMSNorm at every size (the unfused decode-sized steps would take inductor's
+    formula, a rounding step apart at times), so the logits are equal, not merely close."""
     monkeypatch.setattr(models.rms_norm, "NATIVE_MIN_ROWS", 1)
     plain = _runner(tiny_llama, False, monkeypatch)
     monkeypatch.setattr(models.rms_norm, "NATIVE_MIN_ROWS", 1)
     fused = _runner(tiny_llama, True, monkeypatch)
     assert plain.fused_layers == 0 and fused.fused_layers == 2  # the tiny model's two layers
+    layers = fused.model.model.layers
+    assert all(layer.__dict__.get("_stack") == tuple(layers) for layer in layers)
+    if not stacked:
+        for layer in layers:
+            del layer.__dict__["_stack"]
     keys = [GraphKey("mixed", 4, 16), GraphKey("verify", TABLE.verify_rows, 8), GraphKey("decode", 4, 16),
             GraphKey("decode", 4, 48)]
     first, second = [11, 52, 7, 300, 41, 9], [88, 13, 250, 6, 70, 33, 2]
@@ -111,7 +119,11 @@ def test_fused_steps_give_the_unfused_logits_bit_for_bit(tiny_llama: str, monkey
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 got = step(fused)
             calls = [e.name for e in prof.events() if e.name.startswith("bucketserve::")]
-            assert calls.count("bucketserve::qkv_rope") == calls.count("bucketserve::attn_mlp") == 2  # a layer each
+            if stacked:  # one call for both layers (its kernels are called from C++, not through the dispatcher)
+                assert calls.count("bucketserve::decoder_stack") == 1 and "bucketserve::qkv_rope" not in calls
+            else:
+                assert calls.count("bucketserve::qkv_rope") == calls.count("bucketserve::attn_mlp") == 2  # a layer each
+                assert "bucketserve::decoder_stack" not in calls
             assert torch.isfinite(want.float()).all() and torch.equal(got, want)
         assert fused.accountant.count("serving") == 0
     finally:
