@@ -126,21 +126,22 @@ void write_kv(const at::Tensor &rows, const at::Tensor &cache, const at::Tensor 
     const int64_t *w = write.data_ptr<int64_t>();
     const char *src = static_cast<const char *>(rows.data_ptr());
     char *dst = static_cast<char *>(cache.data_ptr());
-    const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2), bytes = head_dim * es;
+    const int64_t bytes = head_dim * es;
+    const auto at = [&](int64_t t, int64_t h) {  // where token t's head h goes
+        const int64_t slot = mixed ? w[2 * t] : t, pos = mixed ? w[2 * t + 1] : w[t];
+        return dst + (slot * cache.stride(0) + h * cache.stride(1) + pos * cache.stride(2)) * es;
+    };
+    // every destination line asked for first: the rows land in lines that are mostly not cached (a decode step's
+    // 8 rows x 3 heads x 30 layers x K and V), whose misses one after another cost ~0.1 ms a step
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t slot = mixed ? w[2 * t] : t, pos = mixed ? w[2 * t + 1] : w[t];
         TORCH_CHECK(slot >= 0 && slot < cache.size(0) && pos >= 0 && pos < capacity, "K/V write: slot ", slot,
                     " position ", pos, " outside ", cache.sizes());
-        // every destination line asked for first: the rows land in lines that are mostly not cached (a decode
-        // step's 8 rows x 3 heads x 30 layers x K and V), whose misses one after another cost ~0.1 ms a step
         for (int64_t h = 0; h < heads; h++)
-            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(dst + (slot * s0 + h * s1 + pos * s2) * es + b, 1);
+            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(at(t, h) + b, 1);
     }
-    for (int64_t t = 0; t < tokens; t++) {
-        const int64_t slot = mixed ? w[2 * t] : t, pos = mixed ? w[2 * t + 1] : w[t];
-        for (int64_t h = 0; h < heads; h++)
-            std::memcpy(dst + (slot * s0 + h * s1 + pos * s2) * es, src + (t * heads + h) * bytes, bytes);
-    }
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) std::memcpy(at(t, h), src + (t * heads + h) * bytes, bytes);
 }
 
 // bucketserve::decoder_stack: every decoder layer of a step in one call (models/fused_layer.py). x [b, T, E];
