@@ -46,6 +46,16 @@ def streams_admitted(server: ServerProcess, count: int, max_tokens: int) -> tupl
     return results, threads
 
 
+def draining(server: ServerProcess, timeout: float = 10.0) -> httpx.Response:
+    """/ready's answer once it reports the drain (polled every 5 ms)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = httpx.get(server.url + "/ready")
+        if ready.status_code == 503 and ready.json().get("draining") or time.monotonic() > deadline:
+            return ready
+        time.sleep(0.005)
+
+
 def test_sigterm_drains_in_flight_streams_refuses_new_and_exits_zero(tiny_llama: str, tmp_path: Path) -> None:
     server = ServerProcess(tiny_llama, *TINY_FLAGS, "--compile-backend", "eager", "--log-format", "json",
                            "--drain-timeout", "60", log_path=tmp_path / "server.log")
@@ -54,9 +64,10 @@ def test_sigterm_drains_in_flight_streams_refuses_new_and_exits_zero(tiny_llama:
         # SIGTERM once all 8 are admitted (a request that arrives after it is refused, by design).
         results, threads = streams_admitted(server, 8, 120)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        # /ready reports the drain as soon as the signal is handled; the request right after it must be refused. (A
+        # fixed pause raced the drain: 8 streams of the tiny model can finish in less than 0.2 s.)
+        ready = draining(server)
         refused = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2})
-        ready = httpx.get(server.url + "/ready")
         for t in threads:
             t.join(120)
         code = server.proc.wait(60)
@@ -90,7 +101,9 @@ def test_a_second_sigterm_ends_every_stream_with_a_final_event_and_shuts_down_cl
         results, threads = streams_admitted(server, 4, 480)
         started = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        # the second signal once the first is handled (not after a fixed pause, which the tiny model's streams
+        # could outrun): it cuts the drain short
+        draining(server)
         server.proc.send_signal(signal.SIGTERM)
         code = server.proc.wait(30)
         seconds = time.monotonic() - started
