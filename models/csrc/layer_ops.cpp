@@ -121,7 +121,8 @@ void write_kv(const at::Tensor &rows, const at::Tensor &cache, const at::Tensor 
     const int64_t tokens = mixed ? write.size(0) : rows.size(0);
     TORCH_CHECK(rows.is_contiguous() && rows.scalar_type() == cache.scalar_type() && write.scalar_type() == at::kLong &&
                     write.is_contiguous() && cache.size(3) == head_dim && cache.stride(3) == 1 &&
-                    rows.numel() == tokens * heads * head_dim && (mixed ? write.size(1) == 2 : rows.size(1) == 1),
+                    rows.numel() == tokens * heads * head_dim &&
+                    (mixed ? write.size(1) == 2 : rows.size(1) == 1 && write.numel() == tokens),
                 "K/V write: rows ", rows.sizes(), " into ", cache.sizes(), " by ", write.sizes());
     const int64_t *w = write.data_ptr<int64_t>();
     const char *src = static_cast<const char *>(rows.data_ptr());
