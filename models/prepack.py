@@ -193,8 +193,16 @@ class PrepackedLinear(nn.Linear):
 
 
 def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Prepacking needs oneDNN on the CPU and a float dtype (float32: steps of 2+ rows, above)."""
-    return torch.device(device).type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
+    """Prepacking needs oneDNN on the CPU and a float dtype (float32: steps of 2+ rows, above) that oneDNN
+    computes on this CPU: its bf16 reorder refuses a CPU without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (an AVX2
+    Zen 3 EPYC, say), and fp16 needs its own instructions likewise."""
+    if not (torch.device(device).type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
 
 
 def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int:
@@ -219,7 +227,7 @@ def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int
     weights: set[int] = set()
     made: list[int] = []  # weights packed by this call
     for module in model.modules():
-        if type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES:
+        if type(module) is nn.Linear and supported(module.weight.dtype, module.weight.device):
             weight = module.weight.detach()
             key = weight.data_ptr()
             with _LOCK:

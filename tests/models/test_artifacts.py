@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from buckets import BucketTable, GraphKey
+from models import prepack
 from models.artifacts import GraphStore, aot_available, label_of
 from models.compile import CompileAccountant, CompileSettings, RecompileError
 from models.generator import generate_one
@@ -225,6 +226,7 @@ def test_builders_die_with_a_killed_parent(tiny_llama: str, tmp_path: Path) -> N
             parent.stdout.close()  # no ResourceWarning (warnings are errors)
 
 
+@pytest.mark.skipif(not prepack.supported(torch.bfloat16, "cpu"), reason="needs oneDNN's bf16 on this CPU")
 def test_bfloat16_graphs_with_prepacked_linears_save_and_load(tiny_llama: str, tmp_path: Path) -> None:
     """bf16 graphs call the prepacked-linear and attention ops (outside the graph, registered on import):
     they save, load in a restart and give the cold run's tokens."""
