@@ -39,7 +39,8 @@ _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 _LOCK = threading.Lock()
 # "lib": the loaded library (None: unavailable), "parallel": built with OpenMP, "matmul": has the small matmul,
-# "amx": has the AMX matmul and Linux lets this process use the tiles
+# "amx": has the AMX matmul and Linux lets this process use the tiles, "f32": has the fp32 vector matmul on its
+# tile copy (AVX-512, or AVX2 with FMA)
 _state: dict[str, object] = {}
 
 
@@ -125,7 +126,7 @@ def _build(cc: str, out: Path) -> None:
 def _load() -> None:
     """Build (once per machine and source) and load the kernels into _state; on any failure (no compiler, a
     read-only cache, a failed build) record None, log it once, and let the callers use SDPA and oneDNN."""
-    _state.update(lib=None, parallel=False, matmul=False, amx=False, shortest_run=0)
+    _state.update(lib=None, parallel=False, matmul=False, amx=False, f32=False, shortest_run=0)
     try:
         cc = _compiler()
         if cc is None:
@@ -175,6 +176,7 @@ def _load() -> None:
     amx = bool(lib.bucketserve_amx_supported())
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
                   matmul=bool(lib.bucketserve_small_matmul_supported()), amx=amx,
+                  f32=bool(lib.bucketserve_tiled_f32_supported()),
                   shortest_run=2 if amx else 3 if lib.bucketserve_run_vec_supported() else 0)
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
              _state["matmul"], _state["amx"])
@@ -203,8 +205,8 @@ def openmp() -> bool:
 
 
 def has(feature: str) -> bool:
-    """The loaded library has `feature` ("matmul": the small matmul, "amx": the AMX matmul usable here); call
-    after available() returned True."""
+    """The loaded library has `feature` ("matmul": the small matmul, "amx": the AMX matmul usable here, "f32": the
+    fp32 vector matmul); call after available() returned True."""
     return bool(_state[feature])
 
 

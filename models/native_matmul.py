@@ -88,7 +88,7 @@ def f32_tile_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] fp32 -> its copy for the fp32 vector matmul, [N/32, K, 32] (tiled_matmul.c: the 32 weights of
     column group g at k are [g, k, :]), or None when the kernel does not run here or N is not a multiple of 32."""
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    if weight.dtype != torch.float32 or not n or not k or n % 32 or not available() or not has("matmul"):
+    if weight.dtype != torch.float32 or not n or not k or n % 32 or not available() or not has("f32"):
         return None
     return weight.detach().view(n // 32, 32, k).transpose(1, 2).contiguous()
 
@@ -99,7 +99,7 @@ def tiled_matmul_f32(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor |
     m, k = rows.shape
     if (not 1 <= m <= TILED_F32_MAX_ROWS or rows.dtype != torch.float32 or packed.dtype != torch.float32
             or packed.dim() != 3 or packed.shape[1] != k or packed.shape[2] != 32 or not packed.is_contiguous()
-            or not available() or not has("matmul")):
+            or not available() or not has("f32")):
         return None
     return _checked(rows, (TILED_F32, packed.data_ptr(), 0), packed.shape[0] * 32, None)
 

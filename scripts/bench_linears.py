@@ -3,7 +3,8 @@ output head), random weights, through each kernel that can run them here, at a f
 
     python scripts/bench_linears.py [--dtype bfloat16|float32] [--rows 1,2,4,8,16,64] [--reps 7]
 
-Prints, per row count, the median ms of the whole set for: oneDNN on its packed copy; the vector matmul on the tile
+Prints, per row count, the median ms of the whole set for: oneDNN on its packed copy; PyTorch's matmul on the
+plain weight (MKL, transformers' eager path); the vector matmul on the tile
 copy (tiled_matmul.c); in bf16 where the CPU has AMX, the AMX matmul on the same copy (2-128 rows); the int8
 kernel on the weights' int8 copy (`--quantize int8`: AMX's, or the vector one); and where they apply the small
 matmul (bf16, 1-4 rows) and the one-row fp32 kernel (small_matmul.c) on the plain weight. Kernel calls go straight
@@ -57,7 +58,11 @@ def _row_count(rows: int, dtype: torch.dtype, weights: list[torch.Tensor], onedn
 
         return run
 
-    result = {"oneDNN": _median_ms(dnn, reps)}
+    def plain() -> None:  # MKL's matmul on the plain weight: what transformers' eager path runs
+        for (_, k), w in zip(SHAPES, weights):
+            torch.nn.functional.linear(inputs[k], w)
+
+    result = {"oneDNN": _median_ms(dnn, reps), "plain": _median_ms(plain, reps)}
     if rows <= (native_matmul.TILED_F32_MAX_ROWS if f32 else native_matmul.TILED_MAX_ROWS):
         result["tiled"] = _median_ms(kernel(native_matmul.TILED_F32 if f32 else native_matmul.TILED, tiles), reps)
     if not f32 and native_matmul.amx_available() and native_matmul.AMX_MIN_ROWS <= rows <= native_matmul.AMX_MAX_ROWS:
@@ -65,7 +70,7 @@ def _row_count(rows: int, dtype: torch.dtype, weights: list[torch.Tensor], onedn
     if int8 and rows <= native_matmul.TILED_MAX_ROWS:
         result["int8"] = _median_ms(kernel(native_matmul.int8_kind(), [q for q, _ in int8], [s for _, s in int8]),
                                     reps)
-    if f32 and rows == 1:
+    if f32 and rows == 1 and has("matmul"):
         result["one-row fp32"] = _median_ms(kernel(native_matmul.ONE_ROW_F32, weights), reps)
     if not f32 and rows <= native_matmul.SMALL_MATMUL_MAX_ROWS:
         result["small"] = _median_ms(kernel(native_matmul.SMALL, weights), reps)
@@ -79,9 +84,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if not (native.available() and has("matmul")):
-        raise SystemExit("the native kernels need AVX512-BF16 on this CPU")
     dtype = getattr(torch, args.dtype)
+    if not (native.available() and has("f32" if dtype == torch.float32 else "matmul")):
+        raise SystemExit("the native kernels need AVX512-BF16 on this CPU (float32: AVX-512 or AVX2 with FMA)")
     weights = [(torch.randn(n, k) * k ** -0.5).to(dtype) for n, k in SHAPES]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     packed = [native_matmul.f32_tile_pack(w) if dtype == torch.float32 else native_matmul._tiled(w) for w in weights]

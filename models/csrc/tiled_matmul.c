@@ -20,7 +20,8 @@
  * Shapes: x [M, K] contiguous, y [M, N] contiguous, K % 32 == 0, N % 32 == 0, M >= 1. Sums in fp32 (exact products
  * of bf16 pairs, summed pair by pair along K), rounded to bf16 once (nearest even).
  *
- * float32 (the same scheme with FMAs, steps of 1-32 rows of fp32 models): the copy is [N/32, K, 32] (for column
+ * float32 (the same scheme with FMAs, steps of 1-32 rows of fp32 models; AVX-512, or AVX2 with FMA below): the copy
+ * is [N/32, K, 32] (for column
  * group g, the 32 weights of k at k * 32: two vectors), each broadcast input element multiplies both. Measured the
  * same way (538 MB of fp32 weights): 1 row 20.8 ms (the plain-weight one-row kernel, small_matmul.c, 25.8; MKL's
  * sgemv ~47), 8 rows 22.0 (oneDNN 39.2), 16 rows 43.3 (54.3), 32 rows 82 (98), 64 even, 128 slower (327 vs 316).
@@ -193,6 +194,9 @@ int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64
     groups_f32(x, w, NULL, y, M, N, K, threads);
     return 0;
 }
+
+/* 1: this build has the float32 vector matmul (AVX-512 here, AVX2 below). */
+int bucketserve_tiled_f32_supported(void) { return 1; }
 #else
 int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
                                   int64_t K, int threads) {
@@ -200,11 +204,111 @@ int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t
     return -1;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* float32 on AVX2 (no AVX-512: a Zen 3 EPYC, say): the same copy and the same sums (each output's products added
+ * in k order by FMAs: the AVX-512 kernel's bits), in 8-lane vectors. Sixteen ymm registers hold 2 x rows
+ * accumulators, a half group's two weight vectors and a broadcast, so a pass of 3+ rows takes at most
+ * MAX_BLOCK_AVX2 rows and one half (16 columns) of a group at a time: the first half streams the group's 128-byte
+ * k lines from memory (both halves prefetched), the second reads them from L2; 1-2 rows take the whole group.
+ * Why: oneDNN's fp32 matmul of a decode-sized step there does not stream the weights as fast (docs/performance.md,
+ * session 53). */
+#define MAX_BLOCK_AVX2 6
+
+static inline __attribute__((always_inline)) void half_f32(const float *x, const float *wg, float *y, const int rows,
+                                                          const int64_t N, const int64_t K, const int64_t m0,
+                                                          const int64_t g, const int h, const int prefetch) {
+    __m256 acc[MAX_BLOCK_AVX2][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    const float *xr = x + m0 * K;
+    for (int64_t k = 0; k < K; k++) {
+        const float *t = wg + k * 32;
+        if (prefetch) {
+            _mm_prefetch((const char *)(t + AHEAD_F32 * 32), _MM_HINT_T1);
+            _mm_prefetch((const char *)(t + AHEAD_F32 * 32 + 16), _MM_HINT_T1);
+        }
+        const __m256 w0 = _mm256_loadu_ps(t + 16 * h), w1 = _mm256_loadu_ps(t + 16 * h + 8);
+        for (int m = 0; m < rows; m++) {
+            const __m256 xb = _mm256_broadcast_ss(xr + m * K + k);
+            acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        _mm256_storeu_ps(y + (m0 + m) * N + g * 32 + 16 * h, acc[m][0]);
+        _mm256_storeu_ps(y + (m0 + m) * N + g * 32 + 16 * h + 8, acc[m][1]);
+    }
+}
+
+/* Rows 1-2: the whole group (32 columns) in one pass, its four weight vectors and 4 x rows accumulators in
+ * registers: a step of one or two rows streams each weight once and never re-reads it from L2. */
+static inline __attribute__((always_inline)) void whole_f32(const float *x, const float *wg, float *y, const int rows,
+                                                           const int64_t N, const int64_t K, const int64_t m0,
+                                                           const int64_t g) {
+    __m256 acc[2][4];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
+    const float *xr = x + m0 * K;
+    for (int64_t k = 0; k < K; k++) {
+        const float *t = wg + k * 32;
+        _mm_prefetch((const char *)(t + AHEAD_F32 * 32), _MM_HINT_T1);
+        _mm_prefetch((const char *)(t + AHEAD_F32 * 32 + 16), _MM_HINT_T1);
+        const __m256 w0 = _mm256_loadu_ps(t), w1 = _mm256_loadu_ps(t + 8), w2 = _mm256_loadu_ps(t + 16),
+                     w3 = _mm256_loadu_ps(t + 24);
+        for (int m = 0; m < rows; m++) {
+            const __m256 xb = _mm256_broadcast_ss(xr + m * K + k);
+            acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+            acc[m][2] = _mm256_fmadd_ps(xb, w2, acc[m][2]);
+            acc[m][3] = _mm256_fmadd_ps(xb, w3, acc[m][3]);
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + (m0 + m) * N + g * 32 + 8 * j, acc[m][j]);
+}
+
+#define HALF_F32(rows)                                                                                                 \
+    do {                                                                                                               \
+        half_f32(x, wg, y, rows, N, K, m0, g, 0, p == 0);                                                              \
+        half_f32(x, wg, y, rows, N, K, m0, g, 1, 0);                                                                   \
+    } while (0)
+
+int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                                 int threads) {
+    if (M < 1 || K < 1 || N < 32 || N % 32) return -1;
+    const int64_t count = N / 32, passes = (M + MAX_BLOCK_AVX2 - 1) / MAX_BLOCK_AVX2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int t = 0; t < threads; t++) {
+        for (int64_t g = count * t / threads; g < count * (t + 1) / threads; g++) {
+            const float *wg = w + g * K * 32;
+            for (int64_t p = 0, m0 = 0; p < passes; p++) {
+                const int64_t rows = (M - m0) / (passes - p); /* as equal as possible: 7 rows 3 + 4 */
+                switch (rows) {
+                case 1: whole_f32(x, wg, y, 1, N, K, m0, g); break;
+                case 2: whole_f32(x, wg, y, 2, N, K, m0, g); break;
+                case 3: HALF_F32(3); break;
+                case 4: HALF_F32(4); break;
+                case 5: HALF_F32(5); break;
+                default: HALF_F32(MAX_BLOCK_AVX2); break;
+                }
+                m0 += rows;
+            }
+        }
+    }
+    return 0;
+}
+
+int bucketserve_tiled_f32_supported(void) { return 1; }
+#else
 int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                                  int threads) {
     (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)threads;
     return -1;
 }
+
+int bucketserve_tiled_f32_supported(void) { return 0; }
+#endif
 
 int bucketserve_tiled_matmul_q8(const uint16_t *x, const int8_t *q, const float *scale, uint16_t *y, int64_t M,
                                 int64_t N, int64_t K, int threads) {

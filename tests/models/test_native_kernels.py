@@ -326,12 +326,13 @@ def test_tile_matmuls_equal_a_float32_matmul(kernel: str, rows: int, out_feature
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 40), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 25, 32])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 25, 32])
 def test_tiled_matmul_f32_equals_a_float32_matmul(rows: int, out_features: int, in_features: int,
                                                   threads: int) -> None:
-    """The fp32 vector matmul on the fp32 tile copy: within fp32 rounding of PyTorch's (another order of sums)."""
-    if not (native.available() and native.has("matmul")):
-        pytest.skip("no AVX-512 kernels on this CPU")
+    """The fp32 vector matmul on the fp32 tile copy (AVX-512, or AVX2 in passes of up to 6 rows and half a column
+    group: 13 = 6 + 7... 25 = 6 + 6 + 6 + 7): within fp32 rounding of PyTorch's (another order of sums)."""
+    if not (native.available() and native.has("f32")):
+        pytest.skip("no AVX-512 or AVX2 kernels on this CPU")
     torch.manual_seed(rows * out_features + 2)
     x = torch.randn(rows, in_features)
     w = torch.randn(out_features, in_features) * in_features ** -0.5
@@ -341,6 +342,8 @@ def test_tiled_matmul_f32_equals_a_float32_matmul(rows: int, out_features: int, 
     got = native_matmul.tiled_matmul_f32(x, packed)
     assert got is not None and got.dtype == torch.float32 and got.shape == (rows, out_features)
     torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
+    alone = native_matmul.tiled_matmul_f32(x[rows - 1:], packed)  # each sum in k order: a row's bits in any call
+    assert alone is not None and torch.equal(alone, got[rows - 1:])
     assert native_matmul.tiled_matmul_f32(torch.randn(33, in_features), packed) is None  # 33 rows: oneDNN's
     assert native_matmul.f32_tile_pack(torch.randn(48, in_features)) is None  # N % 32
     assert native_matmul.f32_tile_pack(w.bfloat16()) is None

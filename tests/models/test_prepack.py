@@ -133,7 +133,7 @@ def test_float32_takes_the_vector_kernel_for_1_to_32_rows_mkl_with_kernels_off_a
     for x in (one, rows, many):  # the op's Python kernel (its C++ one chooses alike: test_native_dispatch.py)
         torch.testing.assert_close(linear_cpu(x, w, layer.bias), nn.functional.linear(x, w, layer.bias), rtol=1e-5,
                                    atol=1e-5)
-    if native.available() and native.has("matmul"):
+    if native.available() and native.has("f32"):
         first = native_matmul.ONE_ROW_F32 if native_matmul.amx_available() else native_matmul.TILED_F32
         assert kernel_calls == [(first, 1), (native_matmul.TILED_F32, 8)] and onednn_calls == [33]
     monkeypatch.setitem(native_library._switch, "on", False)
@@ -163,7 +163,8 @@ def test_the_tile_copies_are_left_out_where_memory_is_short(tiny_llama: str, dty
         x = torch.randn(8, linear.weight.shape[1], dtype=linear.weight.dtype)
         packed = packed_for(linear.weight.detach(), x)
         assert packed is not None
-        assert (packed.tiles is not None) == (copies == 2 and native.available() and native.has("matmul"))
+        tiled = native.has("f32") if dtype == "float32" else native.has("matmul")  # the fp32 or the bf16 kernel
+        assert (packed.tiles is not None) == (copies == 2 and native.available() and tiled)
         if copies == 1:
             assert packed.kernel(8) is None  # oneDNN's packed copy
         atol = 2e-2 if dtype == "bfloat16" else 1e-5
