@@ -21,8 +21,8 @@
  * of bf16 pairs, summed pair by pair along K), rounded to bf16 once (nearest even).
  *
  * float32 (the same scheme with FMAs, steps of 1-32 rows of fp32 models; AVX-512, or AVX2 with FMA below): the copy
- * is [N/32, K, 32] (for column
- * group g, the 32 weights of k at k * 32: two vectors), each broadcast input element multiplies both. Measured the
+ * is [N/32, K, 32] (for column group g, the 32 weights of k at k * 32: two vectors), each broadcast input element
+ * multiplies both. Measured the
  * same way (538 MB of fp32 weights): 1 row 20.8 ms (the plain-weight one-row kernel, small_matmul.c, 25.8; MKL's
  * sgemv ~47), 8 rows 22.0 (oneDNN 39.2), 16 rows 43.3 (54.3), 32 rows 82 (98), 64 even, 128 slower (327 vs 316).
  * Each output's sum runs in k order in fp32, as a plain dot product does; MKL and oneDNN sum in other orders.
