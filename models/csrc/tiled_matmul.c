@@ -216,11 +216,16 @@ int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t
  * session 53). */
 #define MAX_BLOCK_AVX2 6
 
-static inline __attribute__((always_inline)) void half_f32(const float *x, const float *wg, float *y, const int rows,
+/* Columns [32g + 8 v0, 32g + 8 (v0 + nv)) of input rows [m0, m0 + rows): nv of the group's four 8-float vectors
+ * a k (all four for 1-2 rows, a half for 3-6: 2 x rows or 4 x rows accumulators, nv weight vectors and a broadcast
+ * fit the 16 registers). Inlined with constant rows and nv. */
+static inline __attribute__((always_inline)) void cols_f32(const float *x, const float *wg, float *y, const int rows,
                                                           const int64_t N, const int64_t K, const int64_t m0,
-                                                          const int64_t g, const int h, const int prefetch) {
-    __m256 acc[MAX_BLOCK_AVX2][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+                                                          const int64_t g, const int v0, const int nv,
+                                                          const int prefetch) {
+    __m256 acc[MAX_BLOCK_AVX2][4];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < nv; j++) acc[m][j] = _mm256_setzero_ps();
     const float *xr = x + m0 * K;
     for (int64_t k = 0; k < K; k++) {
         const float *t = wg + k * 32;
@@ -228,50 +233,23 @@ static inline __attribute__((always_inline)) void half_f32(const float *x, const
             _mm_prefetch((const char *)(t + AHEAD_F32 * 32), _MM_HINT_T1);
             _mm_prefetch((const char *)(t + AHEAD_F32 * 32 + 16), _MM_HINT_T1);
         }
-        const __m256 w0 = _mm256_loadu_ps(t + 16 * h), w1 = _mm256_loadu_ps(t + 16 * h + 8);
+        __m256 wv[4];
+        for (int j = 0; j < nv; j++) wv[j] = _mm256_loadu_ps(t + 8 * (v0 + j));
         for (int m = 0; m < rows; m++) {
             const __m256 xb = _mm256_broadcast_ss(xr + m * K + k);
-            acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
-        }
-    }
-    for (int m = 0; m < rows; m++) {
-        _mm256_storeu_ps(y + (m0 + m) * N + g * 32 + 16 * h, acc[m][0]);
-        _mm256_storeu_ps(y + (m0 + m) * N + g * 32 + 16 * h + 8, acc[m][1]);
-    }
-}
-
-/* Rows 1-2: the whole group (32 columns) in one pass, its four weight vectors and 4 x rows accumulators in
- * registers: a step of one or two rows streams each weight once and never re-reads it from L2. */
-static inline __attribute__((always_inline)) void whole_f32(const float *x, const float *wg, float *y, const int rows,
-                                                           const int64_t N, const int64_t K, const int64_t m0,
-                                                           const int64_t g) {
-    __m256 acc[2][4];
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
-    const float *xr = x + m0 * K;
-    for (int64_t k = 0; k < K; k++) {
-        const float *t = wg + k * 32;
-        _mm_prefetch((const char *)(t + AHEAD_F32 * 32), _MM_HINT_T1);
-        _mm_prefetch((const char *)(t + AHEAD_F32 * 32 + 16), _MM_HINT_T1);
-        const __m256 w0 = _mm256_loadu_ps(t), w1 = _mm256_loadu_ps(t + 8), w2 = _mm256_loadu_ps(t + 16),
-                     w3 = _mm256_loadu_ps(t + 24);
-        for (int m = 0; m < rows; m++) {
-            const __m256 xb = _mm256_broadcast_ss(xr + m * K + k);
-            acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
-            acc[m][2] = _mm256_fmadd_ps(xb, w2, acc[m][2]);
-            acc[m][3] = _mm256_fmadd_ps(xb, w3, acc[m][3]);
+            for (int j = 0; j < nv; j++) acc[m][j] = _mm256_fmadd_ps(xb, wv[j], acc[m][j]);
         }
     }
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + (m0 + m) * N + g * 32 + 8 * j, acc[m][j]);
+        for (int j = 0; j < nv; j++) _mm256_storeu_ps(y + (m0 + m) * N + g * 32 + 8 * (v0 + j), acc[m][j]);
 }
 
+/* a pass of 3+ rows: the group's first half (streamed from memory, prefetching in the first pass), then its second
+ * (from L2) */
 #define HALF_F32(rows)                                                                                                 \
     do {                                                                                                               \
-        half_f32(x, wg, y, rows, N, K, m0, g, 0, p == 0);                                                              \
-        half_f32(x, wg, y, rows, N, K, m0, g, 1, 0);                                                                   \
+        cols_f32(x, wg, y, rows, N, K, m0, g, 0, 2, p == 0);                                                           \
+        cols_f32(x, wg, y, rows, N, K, m0, g, 2, 2, 0);                                                                \
     } while (0)
 
 int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
@@ -285,8 +263,8 @@ int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64
             for (int64_t p = 0, m0 = 0; p < passes; p++) {
                 const int64_t rows = (M - m0) / (passes - p); /* as equal as possible: 7 rows 3 + 4 */
                 switch (rows) {
-                case 1: whole_f32(x, wg, y, 1, N, K, m0, g); break;
-                case 2: whole_f32(x, wg, y, 2, N, K, m0, g); break;
+                case 1: cols_f32(x, wg, y, 1, N, K, m0, g, 0, 4, 1); break; /* the only pass: 1-2 rows */
+                case 2: cols_f32(x, wg, y, 2, N, K, m0, g, 0, 4, 1); break;
                 case 3: HALF_F32(3); break;
                 case 4: HALF_F32(4); break;
                 case 5: HALF_F32(5); break;
