@@ -329,8 +329,9 @@ def test_tile_matmuls_equal_a_float32_matmul(kernel: str, rows: int, out_feature
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 25, 32])
 def test_tiled_matmul_f32_equals_a_float32_matmul(rows: int, out_features: int, in_features: int,
                                                   threads: int) -> None:
-    """The fp32 vector matmul on the fp32 tile copy (AVX-512, or AVX2 in passes of up to 6 rows and half a column
-    group: 13 = 6 + 7... 25 = 6 + 6 + 6 + 7): within fp32 rounding of PyTorch's (another order of sums)."""
+    """The fp32 vector matmul on the fp32 tile copy (AVX-512, or AVX2: 1-2 rows over whole column groups, more in
+    equal passes of up to 6 rows over half groups: 7 = 3 + 4, 13 = 4 + 4 + 5, 25 = 5 x 5): within fp32 rounding of
+    PyTorch's (another order of sums)."""
     if not (native.available() and native.has("f32")):
         pytest.skip("no AVX-512 or AVX2 kernels on this CPU")
     torch.manual_seed(rows * out_features + 2)
