@@ -25,7 +25,8 @@ by mixed steps (a prefill step starts at position 0); buckets/prefix_cache.py ha
 Speculative decoding (`speculative_tokens`, mixed steps only): a decoding row that speculates carries draft tokens
 (buckets/speculation.py) after its last token, in a mixed step (a decode step computes one token a row), and
 `update` then takes each row's list of tokens, which the engine verified. Beside prompts, the drafts take only
-what the prompts that can start leave of the step's budget.
+what the prompts that can start leave of the step's budget, and a step carries drafts only where they pay for what
+they cost at its size (buckets/draft_cost.py, from the step times the engine reports through `observe`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 
+from buckets.draft_cost import DraftCost
 from buckets.errors import QueueFullError
 from buckets.prefix_cache import SlotPrefixes
 from buckets.speculation import step_drafts
@@ -62,6 +64,8 @@ class Scheduler:
     waiting_served_ratio: float = WAITING_SERVED_RATIO
     prefix_caching: bool = False
     speculative_tokens: int = 0  # the most drafts a row carries (0: off); the table's draft_rows bound a step's
+    # whether drafts pay for their cost at a step's size, from the step times the engine reports (`observe`)
+    draft_cost: DraftCost = field(default_factory=DraftCost)
     waiting: WaitingQueue = field(init=False)
     running: dict[int, Sequence] = field(default_factory=dict)  # slot -> sequence
     _last_was_prefill: bool = False
@@ -132,7 +136,8 @@ class Scheduler:
         self._last_was_prefill = False
         if decoding:
             decode = tuple(decoding[s] for s in sorted(decoding))
-            drafts = step_drafts(decode, self.speculative_tokens, self.table, fill=True)
+            drafts = step_drafts(decode, self.speculative_tokens, self.table, fill=True) \
+                if self.draft_cost.pays(len(decode)) else ()
             if drafts:  # a verify step: every decoding row, the drafts after their last token
                 rows = len(decode) + sum(map(len, drafts))
                 return MixedStep(self.table.verify_for(rows), decode, (), drafts=drafts)
@@ -164,12 +169,17 @@ class Scheduler:
             drafted = drafts.get(id(seq), ())
             if drafted and seq.ngrams is not None and isinstance(tokens, list):
                 seq.ngrams.verified(len(drafted), len(tokens) - 1, self.speculative_tokens)
+                self.draft_cost.verified(len(drafted), len(tokens) - 1)
             for token in tokens if isinstance(tokens, list) else (tokens,):
                 if seq.advance(token, self.table.context_length):
                     self._release(seq)
                     finished.append(seq)
                     break
         return finished
+
+    def observe(self, step: Step, seconds: float) -> None:
+        """The engine ran `step` (graph and sampling) in `seconds`: what `draft_cost` fits its line to."""
+        self.draft_cost.observe(step, seconds)
 
     # -- state ------------------------------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -221,6 +231,8 @@ class Scheduler:
         # Drafts (verify graphs: up to the mixed budget) take what the prompts leave of it: in a full step a draft
         # costs what a prompt token does, and a rejected one is work no request needed (prompt first).
         room = 0 if big else max(0, total - len(decode) - prompt)
+        if room and not self.draft_cost.pays(total - room):  # the step's tokens without drafts
+            room = 0
         drafts = step_drafts(decode, self.speculative_tokens, self.table, room=room) if room else ()
         rows = len(decode) + sum(map(len, drafts))  # the decoding rows' tokens
         total = trimmed(self.table, min(total, rows + prompt), rows)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from models import native_dispatch, native_library
-from models.native import decode_attention, piece_attention
+from models.native import decode_attention, decode_kernel, piece_attention
 from models.row_segments import segments
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
@@ -45,6 +45,8 @@ class Call(NamedTuple):
 # tiles are made for long pieces); run_attention.c takes 16 such runs at ~300 positions in 585 us a layer, against
 # 1073 as 64 decoding rows (docs/performance.md).
 SHORT_RUN = 8
+# The shortest run that goes to SDPA as one piece where no kernel takes runs nor decoding rows (_mixed_attention_cpu).
+SDPA_RUN = 2
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,8 +110,12 @@ def _mixed_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     heads, dim, kv_heads = query.shape[1], query.shape[3], key.shape[1]
     out = torch.zeros_like(query)
     q, o = query[0], out[0]  # [H, T, D]
-    # the piece kernel hands short runs to run_attention.c (AMX tiles) or run_vec.c
+    # the piece kernel hands short runs to run_attention.c (AMX tiles) or run_vec.c; where the decode kernel is off
+    # (it loses to SDPA here: native.decode_kernel) a run of 2+ tokens (a row and its drafts) is one SDPA call under
+    # its causal mask instead of a call a token (Zen 3 EPYC, fp32, one thread: 4 runs of 4 tokens at position 300
+    # 0.82 ms a layer against 1.82, one run 0.24 against 0.63)
     runs = native_library.shortest_run() if query.dtype == torch.bfloat16 and native_library.available() else 0
+    runs = runs or (0 if decode_kernel(query.dtype) else SDPA_RUN)
     for first, last, slots, ext, decoding in mixed_plan(meta.numpy().tobytes(), key.shape[0] - 1, runs):
         if not decoding:  # a prompt piece: causal over its slot, offset by its first position
             s0, p0, n = slots[0], ext[0], last - first

@@ -41,6 +41,15 @@ MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # decode_attention.c's MAX_G and 16 * MAX_C
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)  # decode_attention.c's and piece_attention.c's element types
 
 
+def decode_kernel(dtype: torch.dtype) -> bool:
+    """A decode attention kernel for `dtype` is built and faster than SDPA here: decode_attention.c's 16-lane one
+    with AVX-512; on an AVX2-only CPU (where that one lowers to scalar code, 3-4x slower than SDPA) decode_avx2.c's
+    8-lane one for fp32, and none for bf16 (`bucketserve_decode_fast`)."""
+    if dtype not in ATTENTION_DTYPES or not available():
+        return False
+    return has("decode_f32" if dtype == torch.float32 else "decode_bf16")
+
+
 def _decode_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """decode_attention.c takes these layouts: query [R, H_kv, G, D], key/value [S, H_kv, C, D] with the same
     strides, positions contiguous, all bf16 or all fp32, G <= MAX_GROUPS, D a multiple of 16 up to MAX_HEAD_DIM."""
@@ -62,9 +71,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if (len(slots) != rows or len(extents) != rows or (rows and (slots.min() < 0 or slots.max() >= key.shape[0]
             or extents.min() < 1 or extents.max() > key.shape[2]))):
         raise ValueError("decode attention: a row's slot or extent is out of range")
-    threads = _threads() if available() else None
+    threads = _threads() if decode_kernel(query.dtype) else None
     if threads is None:
-        return None  # unavailable, or a serial kernel that would lose to SDPA's threads
+        return None  # unavailable or slower than SDPA here, or a serial kernel that would lose to SDPA's threads
     q = query.contiguous()
     out = torch.empty_like(q)
     slots = np.ascontiguousarray(slots, dtype=np.int64)
@@ -83,7 +92,7 @@ def decode_attention_masked(query: torch.Tensor, key: torch.Tensor, value: torch
     non-empty prefix of its slot (the caller then takes the general path, which handles both)."""
     rows, heads, groups, dim = query.shape
     if (mask.dim() != 4 or mask.shape[0] != rows or mask.shape[2] != 1 or mask.stride(3) != 1
-            or key.shape[0] < rows or not _decode_takes(query, key, value) or not available()):
+            or key.shape[0] < rows or not _decode_takes(query, key, value) or not decode_kernel(query.dtype)):
         return None
     threads = _threads()
     if threads is None:

@@ -30,7 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "decode_attention.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
+SOURCES = (_CSRC / "decode_attention.c", _CSRC / "decode_avx2.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
            _CSRC / "piece_attention.c", _CSRC / "linear.c", _CSRC / "rms_norm.c",
            _CSRC / "tiled_matmul.c", _CSRC / "run_attention.c", _CSRC / "run_vec.c", _CSRC / "argmax.c",
            _CSRC / "layer_math.c")
@@ -177,6 +177,7 @@ def _load() -> None:
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
                   matmul=bool(lib.bucketserve_small_matmul_supported()), amx=amx,
                   f32=bool(lib.bucketserve_tiled_f32_supported()),
+                  decode_bf16=bool(lib.bucketserve_decode_fast(0)), decode_f32=bool(lib.bucketserve_decode_fast(1)),
                   shortest_run=2 if amx else 3 if lib.bucketserve_run_vec_supported() else 0)
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
              _state["matmul"], _state["amx"])
@@ -206,7 +207,8 @@ def openmp() -> bool:
 
 def has(feature: str) -> bool:
     """The loaded library has `feature` ("matmul": the small matmul, "amx": the AMX matmul usable here, "f32": the
-    fp32 vector matmul); call after available() returned True."""
+    fp32 vector matmul, "decode_bf16" / "decode_f32": a decode attention kernel for that element type that beats
+    SDPA here); call after available() returned True."""
     return bool(_state[feature])
 
 

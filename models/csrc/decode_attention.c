@@ -271,6 +271,30 @@ int bucketserve_native_openmp(void) {
 #endif
 }
 
+/* x86 with AVX2 and no AVX-512 (an AMD EPYC with Zen 3 cores): GCC lowers this file's 16-lane vector code's
+ * comparisons and shuffles to scalar instructions there, and it ran 3-4x slower than PyTorch's SDPA (fp32, one
+ * thread, 16 rows at 300 positions 2.41 ms a layer against 0.71; one row 0.22 against 0.06). So fp32 rows go to
+ * decode_avx2.c's 8-lane kernel and bf16 rows decline (SDPA). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define AVX2_ONLY 1
+#endif
+int bucketserve_decode_attention_f32x8(const float *q, const float *k, const float *v, float *out,
+                                       const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,
+                                       int64_t groups, int64_t dim, int64_t s_slot, int64_t s_head, float scale,
+                                       int threads);
+int bucketserve_decode_f32x8_supported(void);
+
+/* 1 when this build's decode kernel takes rows of this element type (f32: fp32, else bf16) and beats SDPA on them
+ * (models/native.py `decode_kernel`). */
+int bucketserve_decode_fast(int f32) {
+#ifdef AVX2_ONLY
+    return f32 && bucketserve_decode_f32x8_supported();
+#else
+    (void)f32;
+    return 1;
+#endif
+}
+
 /* The extents of an additive mask's rows (models/attention.py `_extents`): row r's elements (2 or 4 bytes each,
  * `width`; rows `stride` elements apart, `cols` long) are 0 bits where the row attends. ext[r] = 1 + its last
  * attended position (`cols` when it attends none). Returns 1 when every row attends exactly [0, ext[r]) (no
@@ -312,6 +336,11 @@ int bucketserve_decode_attention(const void *q, const void *k, const void *v, vo
                                  const int64_t *ext, int64_t rows, int64_t heads, int64_t groups, int64_t dim,
                                  int64_t s_slot, int64_t s_head, float scale, int threads, int f32) {
     if (groups < 1 || groups > MAX_G || dim % 16 || dim < 16 || dim > 16 * MAX_C) return -1;
+#ifdef AVX2_ONLY
+    if (!f32) return -1;
+    return bucketserve_decode_attention_f32x8(q, k, v, out, slots, ext, rows, heads, groups, dim, s_slot, s_head,
+                                              scale, threads);
+#endif
     const int64_t G = groups, D = dim, esz = f32 ? 4 : 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t rh = 0; rh < rows * heads; rh++) {

@@ -148,20 +148,46 @@ bool zero_row(const unsigned char *data, bool f32, int64_t r, int64_t k) {
     return true;
 }
 
+// Whether row r (> 0) of x [rows, k] (contiguous, at `data`, `bytes` a row) is row r - 1 again, bit for bit. A verify
+// graph's padding logit rows repeat one token's hidden state (models/runner.py: with no padding token in the bucket,
+// which a verify step's drafts fill, they read token 0); a row-apart kernel gives a repeated row the same output.
+bool repeat_row(const unsigned char *data, int64_t r, int64_t bytes) {
+    return r > 0 && std::memcmp(data + r * bytes, data + (r - 1) * bytes, bytes) == 0;
+}
+
+// The rows of x [rows, k] that need the kernel: neither zero nor a repeat of the row before (at most `most`; the
+// count stops past it). `dead`, when given, gets the others' marks: 1 zero, 2 a repeat.
+int64_t live_rows(const at::Tensor &x, int64_t rows, int64_t k, int64_t most, std::vector<int64_t> *live,
+                  std::vector<char> *dead) {
+    const auto *data = static_cast<const unsigned char *>(x.data_ptr());  // once: data_ptr() checks the storage
+    const bool f32 = x.scalar_type() == at::kFloat;
+    const int64_t bytes = k * x.element_size();
+    int64_t m = 0;
+    for (int64_t r = 0; r < rows && m <= most; r++) {
+        const char mark = zero_row(data, f32, r, k) ? 1 : repeat_row(data, r, bytes) ? 2 : 0;
+        if (dead != nullptr) dead->push_back(mark);
+        if (mark == 0) {
+            m++;
+            if (live != nullptr) live->push_back(r);
+        }
+    }
+    return m;
+}
+
 // y [rows, n] = the kernel `call(x rows, y rows, gate scratch rows, m)` on the rows of x [rows, k] that are not
-// zero, and zeros on those that are. The live rows go to the kernel as they lie when they lead x, else gathered
-// into a block (and their outputs scattered back). `gate`: the gated kernel's [rows, n] scratch, or null.
-// Returns the kernel's status (nonzero: it declined, y is not written and the caller falls back).
+// zero nor a repeat of the row before, zeros on the zero rows and the row before's output on a repeat. The live rows
+// go to the kernel as they lie when they lead x, else gathered into a block (and their outputs scattered back).
+// `gate`: the gated kernel's [rows, n] scratch, or null. Returns the kernel's status (nonzero: it declined, y is not
+// written and the caller falls back).
 template <typename Call>
 int on_live_rows(const at::Tensor &x, at::Tensor &y, void *gate, int64_t rows, int64_t k, int64_t n, int64_t kind,
                  const Call &call) {
     if (rows < 2 || !rows_apart(kind)) return call(x.data_ptr(), y.data_ptr(), gate, rows);
     std::vector<int64_t> live;
+    std::vector<char> dead;
     live.reserve(rows);
-    const auto *data = static_cast<const unsigned char *>(x.data_ptr());  // once: data_ptr() checks the storage
-    const bool f32 = x.scalar_type() == at::kFloat;
-    for (int64_t r = 0; r < rows; r++)
-        if (!zero_row(data, f32, r, k)) live.push_back(r);
+    dead.reserve(rows);
+    live_rows(x, rows, k, rows, &live, &dead);
     const int64_t m = static_cast<int64_t>(live.size());
     if (m == rows) return call(x.data_ptr(), y.data_ptr(), gate, rows);
     const int64_t es = x.element_size();
@@ -180,12 +206,9 @@ int on_live_rows(const at::Tensor &x, at::Tensor &y, void *gate, int64_t rows, i
                 std::memcpy(out + live[j] * n * es, static_cast<const char *>(ys.data_ptr()) + j * n * es, n * es);
     }
     if (status != 0) return status;
-    for (int64_t r = 0, j = 0; r < rows; r++) {
-        if (j < m && live[j] == r) {
-            j++;
-        } else {
-            std::memset(out + r * n * es, 0, n * es);
-        }
+    for (int64_t r = 0; r < rows; r++) {  // in order: a repeat copies its row before's final output
+        if (dead[r] == 1) std::memset(out + r * n * es, 0, n * es);
+        if (dead[r] == 2) std::memcpy(out + r * n * es, out + (r - 1) * n * es, n * es);
     }
     return 0;
 }
@@ -209,12 +232,27 @@ at::Tensor onednn_times(const at::Tensor &rows, const at::Tensor &other, const a
     return stack[0].toTensor();
 }
 
+// The kernel for a call of `rows` rows of x [rows, k] that is past the vector kernels' sizes (e.kernel(rows) is
+// none) but whose live rows are within them: a verify graph's lm_head has 64 logit rows (the max batch and the draft
+// rows), of which a step of one row and three drafts fills four; the others are zeros or repeats (models/runner.py).
+// oneDNN ran all 64: ~51 ms of fp32 lm_head a step on a Zen 3 EPYC, where four rows on the tiled kernel take ~6. Only
+// a kernel whose rows are summed apart (rows_apart): on_live_rows then runs it on the live rows alone. The count
+// stops as soon as it passes what the kernels take, so a prompt step's live rows cost a cache line or two each.
+const Kernel *live_rows_kernel(const Entry &e, const at::Tensor &x, int64_t rows, int64_t k) {
+    if (rows <= e.few_max || e.few_max < 2 || !x.is_contiguous()) return nullptr;
+    const int64_t live = live_rows(x, rows, k, e.few_max, nullptr, nullptr);
+    if (live > e.few_max) return nullptr;
+    const Kernel *kernel = e.kernel(live > 0 ? live : 2);
+    return kernel != nullptr && rows_apart(kernel->kind) ? kernel : nullptr;
+}
+
 // x [..., K] @ weight [N, K].T + bias -> [..., N]: prepack.linear_cpu
 at::Tensor linear_kernel(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
     Entry e;
     if (!lookup(weight, x, e)) return at::linear(x, weight, bias);
     const int64_t k = x.size(-1), rows = x.numel() / k;
     const Kernel *kernel = *switched_on ? e.kernel(rows) : nullptr;
+    if (kernel == nullptr && *switched_on) kernel = live_rows_kernel(e, x, rows, k);
     const int t = threads();
     if (kernel != nullptr && linear_fn != nullptr && t > 0) {
         const at::Tensor xc = x.contiguous();

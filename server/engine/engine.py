@@ -238,6 +238,7 @@ class Engine:
             self.model.close()
 
     def _run(self, step: Step, prompts: dict[str, list[int]]) -> None:
+        t0 = time.perf_counter()
         try:
             logits = self.model.run_step(step, prompts.__getitem__)
         except MeshError:
@@ -257,6 +258,7 @@ class Engine:
         # Sampling runs outside the lock: each sampler belongs to its request and to this thread alone.
         tokens = self.model.sample(step.sampling_seqs, [a.sampler if a else None for a in owners], logits)
         verified = verify_drafts(step, tokens, logits) if isinstance(step, MixedStep) else {}
+        seconds = time.perf_counter() - t0  # the step's compute: its graph and its sampling
         sampled: dict[str, SampledToken] = {}
         for seq, token in zip(step.sampling_seqs, tokens):
             if isinstance(token, Exception):  # one request's failure is that request's alone
@@ -266,6 +268,7 @@ class Engine:
         now = time.monotonic()
         out: list[tuple[ActiveRequest, list[TokenEvent]]] = []
         with self._lock:
+            self._scheduler.observe(step, seconds)
             live = {rid: tok for rid, tok in sampled.items() if rid in self._active}
             before = {seq.request_id: seq.num_generated for seq in step.sampling_seqs}
             finished = {s.request_id: s.finish_reason for s in self._scheduler.update(

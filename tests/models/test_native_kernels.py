@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import models.attention as attention_module
 from models import native, native_library, native_matmul
 from models.attention import packed_sdpa
+from models.hardware import cpu_flags
 from models.mixed_attention import _mixed_attention_cpu, mixed_plan
 from models.prepack import linear_cpu, prepack
 from tests.models.test_attention import FakeAttention
@@ -41,9 +42,24 @@ def _poisoned_cache(slots: int, heads: int, context: int, dim: int, extents: dic
     return k, v
 
 
+def _needs_decode_kernel(dtype: torch.dtype) -> None:
+    """Skip where this build has no decode kernel for `dtype` that beats SDPA (bf16 on an AVX2-only CPU)."""
+    if not native.decode_kernel(dtype):
+        pytest.skip(f"no {dtype} decode kernel on this CPU (SDPA runs)")
+
+
+# the dtype of the tests that watch the kernel run: bf16 where it has a kernel, else fp32 (an AVX2-only CPU)
+KERNEL_DTYPE = torch.bfloat16 if native.decode_kernel(torch.bfloat16) else torch.float32
+
+
 def test_the_kernels_build_and_load_here() -> None:
-    """CI machines have the C compiler inductor needs; a silent fallback would only show as a slow bench."""
+    """CI machines have the C compiler inductor needs; a silent fallback would only show as a slow bench. A CPU
+    with AVX2 and FMA has an fp32 decode kernel (decode_attention.c's, or decode_avx2.c's without AVX-512)."""
     assert native.available()
+    flags = cpu_flags()
+    if {"avx2", "fma"} <= flags:
+        assert native.decode_kernel(torch.float32)
+        assert native.decode_kernel(torch.bfloat16) == ("avx512f" in flags)
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -63,6 +79,7 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 2e-6}
 @pytest.mark.parametrize(("groups", "dim"), [(3, 64), (4, 64), (4, 128), (2, 16), (5, 32), (1, 64)])
 def test_kernel_equals_float32_attention_over_each_rows_slot(groups: int, dim: int, dtype: torch.dtype,
                                                              threads: int) -> None:
+    _needs_decode_kernel(dtype)
     torch.manual_seed(groups * 1000 + dim)
     heads, context = 2, 200
     # Rows read slots out of order; extents cover 1, either side of a block of 16 and of a chunk of 64 (the
@@ -123,6 +140,7 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_decode_step_attention_uses_the_kernel_and_matches_sdpa(monkeypatch: pytest.MonkeyPatch,
                                                                  kernel_calls: list[bool], dtype: torch.dtype) -> None:
+    _needs_decode_kernel(dtype)
     torch.manual_seed(1)
     kv, groups, dim, context = 2, 3, 64, 64
     extents = [3, 40, 17, 64]
@@ -139,10 +157,33 @@ def test_decode_step_attention_uses_the_kernel_and_matches_sdpa(monkeypatch: pyt
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_decode_kernel_stays_off_where_it_loses_to_sdpa(monkeypatch: pytest.MonkeyPatch, kernel_calls: list[bool],
+                                                         dtype: torch.dtype) -> None:
+    """A build with no decode kernel for the dtype that beats SDPA (bf16 on an AVX2-only CPU, where the 16-lane one
+    is 3-4x slower): both entries decline, and a decode step's attention is SDPA's, bit for bit."""
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    torch.manual_seed(4)
+    kv, groups, dim, context = 2, 3, 64, 64
+    extents = [3, 40, 17, 64]
+    q = torch.randn(4, kv * groups, 1, dim).to(dtype)
+    k, v = (torch.randn(4, kv, context, dim).to(dtype) for _ in range(2))
+    mask = _decode_mask(extents, context, dtype)
+    monkeypatch.setitem(native_library._state, "decode_f32" if dtype == torch.float32 else "decode_bf16", False)
+    assert not native.decode_kernel(dtype)
+    slower, _ = packed_sdpa(FakeAttention(), q, k, v, mask, scaling=dim ** -0.5)
+    assert kernel_calls == [False, False]  # both entries declined
+    monkeypatch.setitem(native_library._switch, "on", False)
+    sdpa, _ = packed_sdpa(FakeAttention(), q, k, v, mask, scaling=dim ** -0.5)
+    assert torch.equal(slower, sdpa)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("width", [torch.bfloat16, torch.float32])
 def test_masked_entry_reads_extents_from_the_mask(width: torch.dtype, dtype: torch.dtype, threads: int) -> None:
     """decode_attention_masked == decode_attention with row r on slot r and the mask's extents; it declines
     (None) where a row's visible positions are not a non-empty prefix, which the general path then handles."""
+    _needs_decode_kernel(dtype)
     torch.manual_seed(3)
     kv, groups, dim, context = 3, 3, 64, 96
     extents = [1, 16, 17, 95, 40]
@@ -171,14 +212,47 @@ def test_mixed_step_decoding_rows_use_the_kernel(monkeypatch: pytest.MonkeyPatch
     pairs = [(1, 20), (2, 33), *((0, p) for p in range(10)), (3, 0)]  # slot 3: the spare slot (padding)
     meta = torch.tensor(pairs, dtype=torch.long).view(1, 1, len(pairs), 2)
     assert [c.decoding for c in mixed_plan(meta.numpy().tobytes(), 3)] == [True, False]
-    q = torch.randn(1, heads, len(pairs), dim).to(torch.bfloat16)
-    k, v = torch.randn(4, kv, context, dim).to(torch.bfloat16), torch.randn(4, kv, context, dim).to(torch.bfloat16)
+    q = torch.randn(1, heads, len(pairs), dim).to(KERNEL_DTYPE)
+    k, v = torch.randn(4, kv, context, dim).to(KERNEL_DTYPE), torch.randn(4, kv, context, dim).to(KERNEL_DTYPE)
     ours = _mixed_attention_cpu(q, k, v, meta, dim ** -0.5)
     assert kernel_calls == [True]
     monkeypatch.setitem(native_library._switch, "on", False)
     sdpa = _mixed_attention_cpu(q, k, v, meta, dim ** -0.5)
     torch.testing.assert_close(ours.float(), sdpa.float(), rtol=1e-2, atol=1e-2)
     assert not ours[:, :, 12:].any()  # padding (the prompt piece has a kernel of its own: test_piece_attention.py)
+
+
+def test_verify_runs_go_to_sdpa_as_pieces_where_the_decode_kernel_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the decode kernel (it loses to SDPA on AVX2) a verify step's row and its drafts (one slot, consecutive
+    positions) attend in one SDPA call under a causal mask, not one call a token: the same result as a call a token
+    to fp32 rounding, and a lone decoding row stays a decoding row."""
+    import models.mixed_attention as mixed
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    monkeypatch.setitem(native_library._state, "decode_f32", False)
+    torch.manual_seed(5)
+    kv, groups, dim, context = 3, 3, 64, 64
+    pairs = [*((1, p) for p in range(30, 34)), (2, 40), *((0, p) for p in range(20, 23))]
+    meta = torch.tensor(pairs, dtype=torch.long).view(1, 1, len(pairs), 2)
+    q = torch.randn(1, kv * groups, len(pairs), dim)
+    k, v = torch.randn(4, kv, context, dim), torch.randn(4, kv, context, dim)
+    plans: list[int] = []
+    real_plan = mixed.mixed_plan
+
+    def watched(data: bytes, spare: int, runs: int = 0) -> tuple[mixed.Call, ...]:
+        plans.append(runs)
+        return real_plan(data, spare, runs)
+
+    monkeypatch.setattr(mixed, "mixed_plan", watched)
+    pieces = _mixed_attention_cpu(q, k, v, meta, dim ** -0.5)
+    assert plans == [mixed.SDPA_RUN]
+    assert [(c.first, c.last, c.decoding) for c in real_plan(meta.numpy().tobytes(), 3, plans[0])] == [
+        (0, 4, False), (4, 5, True), (5, 8, False)]
+    monkeypatch.setattr(mixed, "SDPA_RUN", 0)
+    per_token = _mixed_attention_cpu(q, k, v, meta, dim ** -0.5)
+    assert plans[1:] == [0]
+    torch.testing.assert_close(pieces, per_token, rtol=2e-6, atol=2e-6)
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (960, 576), (576, 1536)])
@@ -397,9 +471,9 @@ def test_decode_reads_a_kv_bucket_of_the_slot_buffers(kernel_calls: list[bool]) 
     torch.manual_seed(4)
     kv, groups, dim, context, bucket = 2, 3, 64, 64, 32
     extents = [5, 32, 17]
-    q = torch.randn(3, kv * groups, 1, dim).to(torch.bfloat16)
-    k, v = _poisoned_cache(3, kv, context, dim, dict(enumerate(extents)))
-    ours, _ = packed_sdpa(FakeAttention(), q, k, v, _decode_mask(extents, bucket), scaling=dim ** -0.5)
+    q = torch.randn(3, kv * groups, 1, dim).to(KERNEL_DTYPE)
+    k, v = _poisoned_cache(3, kv, context, dim, dict(enumerate(extents)), KERNEL_DTYPE)
+    ours, _ = packed_sdpa(FakeAttention(), q, k, v, _decode_mask(extents, bucket, KERNEL_DTYPE), scaling=dim ** -0.5)
     assert kernel_calls == [True]
     packed = q.reshape(3, kv, groups, dim)
     want = _reference(packed, torch.nan_to_num(k), torch.nan_to_num(v), [0, 1, 2], extents, dim ** -0.5)

@@ -1,0 +1,213 @@
+/* Decode attention for float32 models on CPUs with AVX2 and FMA but no AVX-512 (an AMD EPYC with Zen 3 cores, say):
+ * the entry decode_attention.c hands its fp32 rows to where the build has no 16-lane vectors.
+ *
+ * Why a kernel of its own: decode_attention.c is written in 16-lane vectors; without AVX-512 GCC lowers their
+ * comparisons and shuffles to scalar instructions, and its accumulators (3 queries x 64 dims) need twice the 16
+ * ymm registers. It ran 3-4x slower than PyTorch's SDPA there, and SDPA reads a decode row's K/V at about half the
+ * memory's speed (fp32, one thread, 16 rows at 300 positions: 1.2-1.4 ms a layer in a step, ~0.5 to read them).
+ * This one is written in 8-lane vectors, which AVX2 has, and in three passes per (row, KV head), each small enough
+ * for the registers: the scores of every query head (K read once from memory, four positions at a time), their
+ * softmax (exact: max first, then exp and sum), then each query head's weighted sum of V (V read from memory for
+ * the first, from L2 for the others: a head's V at 2048 positions is 512 KiB at D = 64).
+ *
+ * Shapes as decode_attention.c (fp32 only): q [R, H, G, D] contiguous; k, v: row r reads slot slots[r], position
+ * p of head h at slot * s_slot + h * s_head + p * D; ext[r] positions (>= 1); out [R, H, G, D]. D % 8 == 0.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+#define AHEAD 64 /* positions prefetched ahead into L2, as decode_attention.c (4 KiB pages stop the hardware's) */
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8f splat8(float x) { return (v8f){0} + x; }
+
+static inline v8f select8(v8i mask, v8f yes, v8f no) { return (v8f)(((v8i)yes & mask) | ((v8i)no & ~mask)); }
+
+static inline float hsum8(v8f v) {
+    v += __builtin_shuffle(v, (v8i){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (v8i){2, 3, 0, 1, 6, 7, 4, 5});
+    v += __builtin_shuffle(v, (v8i){1, 0, 3, 2, 5, 4, 7, 6});
+    return v[0];
+}
+
+static inline v8f max8(v8f a, v8f b) { return select8(a > b, a, b); }
+
+static inline float hmax8(v8f v) {
+    v = max8(v, __builtin_shuffle(v, (v8i){4, 5, 6, 7, 0, 1, 2, 3}));
+    v = max8(v, __builtin_shuffle(v, (v8i){2, 3, 0, 1, 6, 7, 4, 5}));
+    v = max8(v, __builtin_shuffle(v, (v8i){1, 0, 3, 2, 5, 4, 7, 6}));
+    return v[0];
+}
+
+/* exp(x) for x <= 0, relative error ~1e-7 (vec16.h's vexp in 8 lanes). */
+static inline v8f vexp8(v8f x) {
+    x = select8(x < splat8(-87.0f), splat8(-87.0f), x);
+    v8f t = x * 1.44269504088896341f;
+    v8i n = __builtin_convertvector(t - 0.5f, v8i);
+    v8f nf = __builtin_convertvector(n, v8f);
+    v8f r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
+    v8f p = splat8(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v8i e = (n + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+static inline void prefetch_row8(const float *base, int64_t p, int64_t D) {
+    const char *row = (const char *)(base + p * D);
+    for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(row + off, 0, 2);
+}
+
+/* One (row, KV head): G queries qb [G, D] over n positions of kb, vb [n, D] -> ob [G, D]; sc: [G, n] scratch.
+ * Inlined with constant G and D where the caller knows them (SmolLM2: 3 and 64), so the D loops unroll. */
+static inline __attribute__((always_inline)) void head8(const float *qb, const float *kb, const float *vb, float *ob,
+                                                        int64_t n, const int64_t G, const int64_t D, float scale,
+                                                        float *sc) {
+    const int64_t nc = D / 8;
+    for (int64_t p = 0; p < AHEAD && p < n; p++) {
+        prefetch_row8(kb, p, D);
+        prefetch_row8(vb, p, D);
+    }
+    /* scores: four positions at a time, each query head's four dot products from those K rows (L1 after the first) */
+    int64_t p = 0;
+    for (; p + 4 <= n; p += 4) {
+        for (int64_t j = 0; j < 4; j++) prefetch_row8(kb, p + j + AHEAD, D);
+        const float *k0 = kb + p * D;
+        for (int64_t g = 0; g < G; g++) {
+            const float *q = qb + g * D;
+            v8f a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < nc; c++) {
+                const v8f qc = load8(q + 8 * c);
+                a0 += qc * load8(k0 + 8 * c);
+                a1 += qc * load8(k0 + D + 8 * c);
+                a2 += qc * load8(k0 + 2 * D + 8 * c);
+                a3 += qc * load8(k0 + 3 * D + 8 * c);
+            }
+            float *s = sc + g * n + p;
+            s[0] = hsum8(a0) * scale;
+            s[1] = hsum8(a1) * scale;
+            s[2] = hsum8(a2) * scale;
+            s[3] = hsum8(a3) * scale;
+        }
+    }
+    for (; p < n; p++) {
+        for (int64_t g = 0; g < G; g++) {
+            v8f a = splat8(0.0f);
+            for (int64_t c = 0; c < nc; c++) a += load8(qb + g * D + 8 * c) * load8(kb + p * D + 8 * c);
+            sc[g * n + p] = hsum8(a) * scale;
+        }
+    }
+    /* softmax weights (unnormalized: the sums divide the outputs), then each query head's sum over V */
+    for (int64_t g = 0; g < G; g++) {
+        float *s = sc + g * n;
+        float m = s[0];
+        int64_t i = 0;
+        if (n >= 8) {
+            v8f mv = load8(s);
+            for (i = 8; i + 8 <= n; i += 8) {
+                const v8f x = load8(s + i);
+                mv = max8(x, mv);
+            }
+            m = hmax8(mv);
+        }
+        for (; i < n; i++) m = s[i] > m ? s[i] : m;
+        v8f sum8 = splat8(0.0f);
+        for (i = 0; i + 8 <= n; i += 8) {
+            const v8f w = vexp8(load8(s + i) - m);
+            memcpy(s + i, &w, sizeof w);
+            sum8 += w;
+        }
+        if (i < n) { /* the tail, in one padded vector (its lanes past n are -inf: weight 0) */
+            float tail[8];
+            for (int64_t j = 0; j < 8; j++) tail[j] = i + j < n ? s[i + j] - m : -1.0e30f;
+            const v8f w = vexp8(load8(tail));
+            for (int64_t j = 0; i + j < n; j++) s[i + j] = w[j];
+            sum8 += select8((v8i){0, 1, 2, 3, 4, 5, 6, 7} < (int32_t)(n - i), w, splat8(0.0f));
+        }
+        const float sum = hsum8(sum8);
+        v8f acc[32]; /* D <= 256 */
+        for (int64_t c = 0; c < nc; c++) acc[c] = splat8(0.0f);
+        for (int64_t j = 0; j < n; j++) {
+            if (g == 0) prefetch_row8(vb, j + AHEAD, D);
+            const v8f w = splat8(s[j]);
+            const float *vr = vb + j * D;
+            for (int64_t c = 0; c < nc; c++) acc[c] += w * load8(vr + 8 * c);
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t c = 0; c < nc; c++) {
+            const v8f o = acc[c] * inv;
+            memcpy(ob + g * D + 8 * c, &o, sizeof o);
+        }
+    }
+}
+
+/* Every (row, KV head) of a decode step in fp32 (the arguments of bucketserve_decode_attention). Returns 0, or -1
+ * for shapes it does not take (D % 8, D > 256, a row of no positions: the caller then uses SDPA). */
+int bucketserve_decode_attention_f32x8(const float *q, const float *k, const float *v, float *out,
+                                       const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,
+                                       int64_t groups, int64_t dim, int64_t s_slot, int64_t s_head, float scale,
+                                       int threads) {
+    if (groups < 1 || dim % 8 || dim < 8 || dim > 256) return -1;
+    int64_t most = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        if (ext[r] < 1) return -1;
+        most = ext[r] > most ? ext[r] : most;
+    }
+    const int64_t G = groups, D = dim;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *sc = malloc((size_t)(G * most) * sizeof(float));
+        if (sc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t rh = 0; rh < rows * heads; rh++) {
+            if (sc == NULL) continue;
+            const int64_t r = rh / heads, h = rh % heads, base = slots[r] * s_slot + h * s_head;
+            const float *qb = q + rh * G * D;
+            float *ob = out + rh * G * D;
+            if (G == 3 && D == 64) /* SmolLM2 and its relatives */
+                head8(qb, k + base, v + base, ob, ext[r], 3, 64, scale, sc);
+            else
+                head8(qb, k + base, v + base, ob, ext[r], G, D, scale, sc);
+        }
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}
+
+int bucketserve_decode_f32x8_supported(void) { return 1; }
+
+#else
+
+int bucketserve_decode_attention_f32x8(const float *q, const float *k, const float *v, float *out,
+                                       const int64_t *slots, const int64_t *ext, int64_t rows, int64_t heads,
+                                       int64_t groups, int64_t dim, int64_t s_slot, int64_t s_head, float scale,
+                                       int threads) {
+    (void)q, (void)k, (void)v, (void)out, (void)slots, (void)ext, (void)rows, (void)heads, (void)groups, (void)dim;
+    (void)s_slot, (void)s_head, (void)scale, (void)threads;
+    return -1;
+}
+
+int bucketserve_decode_f32x8_supported(void) { return 0; }
+
+#endif
