@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vexp.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -50,25 +52,7 @@ static inline float hmax8(v8f v) {
     return v[0];
 }
 
-/* exp(x) for x <= 0, relative error ~1e-7 (vec16.h's vexp in 8 lanes). */
-static inline v8f vexp8(v8f x) {
-    x = select8(x < splat8(-87.0f), splat8(-87.0f), x);
-    v8f t = x * 1.44269504088896341f;
-    v8i n = __builtin_convertvector(t - 0.5f, v8i);
-    v8f nf = __builtin_convertvector(n, v8f);
-    v8f r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
-    v8f p = splat8(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v8i e = (n + 127) << 23;
-    v8f scale;
-    memcpy(&scale, &e, sizeof scale);
-    return p * scale;
-}
+DEFINE_VEXP(vexp8, v8f, v8i, select8, splat8) /* vexp.h: exp in 8 lanes */
 
 static inline void prefetch_row8(const float *base, int64_t p, int64_t D) {
     const char *row = (const char *)(base + p * D);

@@ -5,6 +5,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vexp.h"
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -49,25 +51,7 @@ static inline v16f splat(float x) { return (v16f){0} + x; }
 
 static inline v16f vselect(v16i mask, v16f yes, v16f no) { return (v16f)(((v16i)yes & mask) | ((v16i)no & ~mask)); }
 
-/* exp(x) for x <= 0 (scores minus their running max), relative error ~1e-7; below -87 it is ~1e-38. */
-static inline v16f vexp(v16f x) {
-    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
-    v16f t = x * 1.44269504088896341f;
-    v16i n = __builtin_convertvector(t - 0.5f, v16i); /* round(t) for t <= 0 */
-    v16f nf = __builtin_convertvector(n, v16f);
-    v16f r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
-    v16f p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v16i e = (n + 127) << 23;
-    v16f scale;
-    memcpy(&scale, &e, sizeof scale);
-    return p * scale;
-}
+DEFINE_VEXP(vexp, v16f, v16i, vselect, splat) /* vexp.h */
 
 /* 16 fp32 lanes -> bf16 bits, each rounded to nearest even (as to_bf16). */
 static inline void store_bf16(uint16_t *p, v16f f) {
