@@ -34,7 +34,8 @@ SOURCES = (_CSRC / "decode_attention.c", _CSRC / "decode_avx2.c", _CSRC / "small
            _CSRC / "piece_attention.c", _CSRC / "linear.c", _CSRC / "rms_norm.c",
            _CSRC / "tiled_matmul.c", _CSRC / "run_attention.c", _CSRC / "run_vec.c", _CSRC / "argmax.c",
            _CSRC / "layer_math.c")
-HEADERS = (_CSRC / "vec16.h", _CSRC / "vexp.h", _CSRC / "piece_products.h", _CSRC / "attention_common.h", _CSRC / "amx_tiles.h")
+HEADERS = (_CSRC / "vec16.h", _CSRC / "vexp.h", _CSRC / "piece_products.h", _CSRC / "attention_common.h",
+           _CSRC / "amx_tiles.h")
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 _LOCK = threading.Lock()
