@@ -31,6 +31,7 @@ import torch
 from models.native_library import available as available
 from models.native_library import configure as configure
 from models.native_library import enabled as enabled
+from models.native_library import f32_mkl_rows as f32_mkl_rows
 from models.native_library import has
 from models.native_library import lib as _lib
 from models.native_library import threads as _threads
@@ -111,8 +112,8 @@ def piece_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """A prompt piece's causal attention over its slot, into `out`: query and out [H, n, D] (views, D contiguous),
     key/value [H_kv, C, D] (D contiguous: a slot's buffers, or a prefill's keys); token t (position start + t) attends
     positions [0, start + t]. bf16: AMX tiles where this process may use them, else AVX512-BF16 dot products;
-    fp32: AVX-512 FMAs, fp32 throughout. Returns False, leaving `out` alone, where the kernel does not take the
-    inputs (the caller uses SDPA)."""
+    fp32: AVX-512 FMAs, or AVX2 ones (piece_avx2.c) without AVX-512, fp32 throughout. Returns False, leaving `out`
+    alone, where the kernel does not take the inputs (the caller uses SDPA)."""
     heads, n, dim = query.shape
     kv_heads = key.shape[0]
     if (query.dtype not in ATTENTION_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
@@ -120,7 +121,8 @@ def piece_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             or key.shape[2] != dim or heads % kv_heads or dim % 32 or not 32 <= dim <= MAX_HEAD_DIM
             or query.stride(2) != 1 or out.stride(2) != 1 or key.stride(2) != 1 or key.stride(1) < dim or key.stride(1) % 2
             or value.stride() != key.stride() or not 0 <= start or start + n > key.shape[1] or n < 1
-            or not available() or not has("matmul")):  # "matmul": the build has AVX512-BF16 (the kernel's guard)
+            or not available() or not has("piece_f32" if query.dtype == torch.float32 else "matmul")):
+        # "matmul": the build has AVX512-BF16 (the bf16 kernel's guard); fp32 also runs on AVX2 (piece_avx2.c)
         return False
     threads = _threads()
     if threads is None:

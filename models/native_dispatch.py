@@ -111,8 +111,8 @@ def install() -> bool:
             run = ctypes.cast(runs, ctypes.c_void_p).value or 0
         ops = torch.ops.bucketserve_dispatch
         ops.bind(address, gated, attention, rms, piece, decode, run, native_library.shortest_run(),
-                 native_library.openmp(),
-                 native_library.has("amx"), native_library.switch_address())
+                 native_library.openmp(), native_library.has("amx"), native_library.f32_mkl_rows(),
+                 native_library.switch_address())
         ops.bind_layer(ctypes.cast(lib.bucketserve_rotary_bf16, ctypes.c_void_p).value,
                        ctypes.cast(lib.bucketserve_add_bf16, ctypes.c_void_p).value)
         # every module whose Python kernel is on PY_CPU, imported before it goes (they import this module)

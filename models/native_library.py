@@ -33,9 +33,9 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_attention.c", _CSRC / "decode_avx2.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
            _CSRC / "piece_attention.c", _CSRC / "linear.c", _CSRC / "rms_norm.c",
            _CSRC / "tiled_matmul.c", _CSRC / "run_attention.c", _CSRC / "run_vec.c", _CSRC / "argmax.c",
-           _CSRC / "layer_math.c")
-HEADERS = (_CSRC / "vec16.h", _CSRC / "vexp.h", _CSRC / "piece_products.h", _CSRC / "attention_common.h",
-           _CSRC / "amx_tiles.h")
+           _CSRC / "layer_math.c", _CSRC / "piece_avx2.c")
+HEADERS = (_CSRC / "vec16.h", _CSRC / "vec8.h", _CSRC / "vexp.h", _CSRC / "piece_products.h",
+           _CSRC / "attention_common.h", _CSRC / "amx_tiles.h")
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 _LOCK = threading.Lock()
@@ -127,7 +127,8 @@ def _build(cc: str, out: Path) -> None:
 def _load() -> None:
     """Build (once per machine and source) and load the kernels into _state; on any failure (no compiler, a
     read-only cache, a failed build) record None, log it once, and let the callers use SDPA and oneDNN."""
-    _state.update(lib=None, parallel=False, matmul=False, amx=False, f32=False, shortest_run=0)
+    _state.update(lib=None, parallel=False, matmul=False, amx=False, f32=False, f32_rows=0, f32_mkl_rows=0, piece_f32=False,
+                  shortest_run=0)
     try:
         cc = _compiler()
         if cc is None:
@@ -177,7 +178,9 @@ def _load() -> None:
     amx = bool(lib.bucketserve_amx_supported())
     _state.update(lib=lib, parallel=bool(lib.bucketserve_native_openmp()),
                   matmul=bool(lib.bucketserve_small_matmul_supported()), amx=amx,
-                  f32=bool(lib.bucketserve_tiled_f32_supported()),
+                  f32=lib.bucketserve_tiled_f32_rows() > 0, f32_rows=int(lib.bucketserve_tiled_f32_rows()),
+                  f32_mkl_rows=int(lib.bucketserve_f32_mkl_rows()),
+                  piece_f32=bool(lib.bucketserve_small_matmul_supported() or lib.bucketserve_piece_f32x8_supported()),
                   decode_bf16=bool(lib.bucketserve_decode_fast(0)), decode_f32=bool(lib.bucketserve_decode_fast(1)),
                   shortest_run=2 if amx else 3 if lib.bucketserve_run_vec_supported() else 0)
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
@@ -206,9 +209,24 @@ def openmp() -> bool:
     return bool(_state["parallel"])
 
 
+def tiled_f32_rows() -> int:
+    """The most rows of a float32 step the fp32 vector matmul takes ahead of oneDNN on this build (tiled_matmul.c:
+    32 with AVX-512, 128 with AVX2 only; 0: none); call after available() returned True."""
+    rows = _state.get("f32_rows", 0)
+    return rows if isinstance(rows, int) else 0
+
+
+def f32_mkl_rows() -> int:
+    """The fewest rows of a float32 step that read MKL's matmul on the plain weight rather than oneDNN's packed copy
+    (tiled_matmul.c: 129 with AVX2 only, where MKL's ran 5-12% faster at 256-1024 rows; 0: never)."""
+    rows = _state.get("f32_mkl_rows", 0)
+    return rows if isinstance(rows, int) else 0
+
+
 def has(feature: str) -> bool:
     """The loaded library has `feature` ("matmul": the small matmul, "amx": the AMX matmul usable here, "f32": the
-    fp32 vector matmul, "decode_bf16" / "decode_f32": a decode attention kernel for that element type that beats
+    fp32 vector matmul, "piece_f32": a fp32 prompt-piece attention kernel (AVX-512's, or AVX2's piece_avx2.c),
+    "decode_bf16" / "decode_f32": a decode attention kernel for that element type that beats
     SDPA here); call after available() returned True."""
     return bool(_state[feature])
 

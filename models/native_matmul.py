@@ -15,8 +15,9 @@ Why (measured in docs/performance.md, one thread):
   oneDNN at 128-1024 rows (~500 GFLOP/s, the core's bf16 dot-product peak).
 - Weight-only int8 (`--quantize int8`), 1-128 rows: AMX or the vector products read an int8 tile copy, converting
   it to bf16 as they go (half the bytes).
-- float32, 1-32 rows: the same scheme with FMAs on a fp32 tile copy (AMD EPYC: one row 1.24x the plain-weight
-  one-row matmul of small_matmul.c, itself ~1.5x MKL's sgemv; 8 rows 1.8x oneDNN); oneDNN for more rows.
+- float32: the same scheme with FMAs on a fp32 tile copy, for 1-32 rows with AVX-512 and 1-128 with AVX2 only
+  (`tiled_f32_rows`; AMD EPYC: one row 1.24x the plain-weight one-row matmul of small_matmul.c, itself ~1.5x MKL's
+  sgemv; 8 rows 1.8x oneDNN; Zen 3, AVX2: 1.3x oneDNN at 64 rows, 1.15-1.2x at 128); oneDNN for more rows.
 Shapes a kernel does not take, and machines without the kernels, use oneDNN (and MKL for one fp32 row).
 """
 
@@ -27,6 +28,7 @@ import torch
 from models.native_library import available, has
 from models.native_library import lib as _lib
 from models.native_library import threads as _threads
+from models.native_library import tiled_f32_rows as tiled_f32_rows
 
 SMALL_MATMUL_MAX_ROWS = 4  # the kernel's MAX_ROWS (small_matmul.c): oneDNN is as fast from 8 rows on
 # Rows a step's linears take the small matmul for where there is neither AMX nor a tile copy (a weight whose N is
@@ -43,9 +45,6 @@ AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 128
 # 223 / 512: the kernel runs at the core's bf16 dot-product peak (~500 of ~520 GFLOP/s) at any size, and cutting a
 # large step into row blocks of 64-512 measured the same.
 TILED_MAX_ROWS = 1 << 16
-# Rows of float32 steps the fp32 vector kernel takes (tiled_matmul.c, the same CPU and weights in fp32: 1.2x oneDNN
-# at 32 rows, even at 64, 0.97x at 128).
-TILED_F32_MAX_ROWS = 32
 
 # (kind, weight copy's address, scales' address or 0): what linear.c's entries read. kind 0: the small matmul on
 # the plain weight; 1: the AMX matmul on the tile copy (tile_pack); 2: the int8 tile copy and its scales (int8_pack);
@@ -94,12 +93,12 @@ def f32_tile_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def tiled_matmul_f32(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
-    """rows [M, K] fp32 @ w.T -> [M, N] fp32 for 1 <= M <= TILED_F32_MAX_ROWS, from w's copy made by f32_tile_pack;
+    """rows [M, K] fp32 @ w.T -> [M, N] fp32 for 1 <= M <= tiled_f32_rows(), from w's copy made by f32_tile_pack;
     None when the kernel does not take these inputs."""
     m, k = rows.shape
-    if (not 1 <= m <= TILED_F32_MAX_ROWS or rows.dtype != torch.float32 or packed.dtype != torch.float32
-            or packed.dim() != 3 or packed.shape[1] != k or packed.shape[2] != 32 or not packed.is_contiguous()
-            or not available() or not has("f32")):
+    if (not available() or not 1 <= m <= tiled_f32_rows() or rows.dtype != torch.float32
+            or packed.dtype != torch.float32 or packed.dim() != 3 or packed.shape[1] != k or packed.shape[2] != 32
+            or not packed.is_contiguous()):
         return None
     return _checked(rows, (TILED_F32, packed.data_ptr(), 0), packed.shape[0] * 32, None)
 

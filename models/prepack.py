@@ -31,7 +31,8 @@ bf16 weight, so prompts are prefilled at bf16 precision and the tokens that foll
 Numerics: the same oneDNN bf16 kernel with fp32 accumulation as the plain path (outputs agree to the bf16
 rounding; the small-row kernel sums in another order, also in fp32).
 
-float32 (the reference dtype): steps of 1-32 rows take the fp32 vector matmul on a fp32 tile copy
+float32 (the reference dtype): steps of 1-32 rows (1-128 on CPUs with AVX2 and no AVX-512) take the fp32 vector
+matmul on a fp32 tile copy
 (models/csrc/tiled_matmul.c; AMD EPYC: 1.24x the plain-weight one-row kernel at one row, 1.8x oneDNN at 8 rows,
 1.25x at 16; on AMX CPUs one row takes the one-row kernel, faster there), where there is none the native fp32
 one-row matmul on the plain weight (models/csrc/small_matmul.c:
@@ -70,7 +71,6 @@ from models.native_matmul import (
     SMALL_MATMUL_STEP_ROWS,
     TILED,
     TILED_F32,
-    TILED_F32_MAX_ROWS,
     TILED_MAX_ROWS,
     Kernel,
     amx_available,
@@ -81,6 +81,7 @@ from models.native_matmul import (
     packed_linear,
     small_matmul_takes,
     tile_pack,
+    tiled_f32_rows,
 )
 
 
@@ -103,7 +104,8 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too
     """The copies of `weight` (oneDNN's, and the tile or int8 tile copy) and which kernel each step size reads:
     int8 (1-128 rows) where quantized; with AMX the vector matmul for one row and the AMX tiles for 2-128; without,
     the vector matmul on the tile copy for every step size (the small matmul for 1-2 where there is no tile copy);
-    float32: the fp32 vector matmul on its fp32 tile copy for 1-32 rows (with AMX, or where there is no tile copy,
+    float32: the fp32 vector matmul on its fp32 tile copy for 1 to tiled_f32_rows() rows (32 with AVX-512, 128 with
+    AVX2 only; with AMX, or where there is no tile copy,
     the fp32 one-row matmul on the plain weight for one).
     Without `tiles_too` (memory is short) no tile copy: the kernels that read the plain weight, else oneDNN."""
     if weight.dtype == torch.float32:
@@ -115,7 +117,7 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too
             # plain weight's); on the Intel Xeon with AMX the plain weight's 16 rows at a time (the step's 211
             # weights 40.5-41.5 ms against 43.2-44.4). Told apart by AMX, the one difference the kernels see.
             first = one if one is not None and amx_available() else vector32
-            return Packed(weight.shape, weight.dtype, onednn, f32_tiles, None, first, vector32, TILED_F32_MAX_ROWS)
+            return Packed(weight.shape, weight.dtype, onednn, f32_tiles, None, first, vector32, tiled_f32_rows())
         return Packed(weight.shape, weight.dtype, onednn, None, None, one, None, 1)
     q8 = int8_pack(weight) if quantize == "int8" else None
     tiles = tile_pack(weight) if q8 is None and tiles_too else None
@@ -167,7 +169,8 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         out = packed_linear(x if x.is_contiguous() else x.contiguous(), kernel, entry.shape[0])
         if out is not None:
             return out if bias is None else out.add_(bias)
-    if one_f32:
+    mkl_from = native.f32_mkl_rows() if x.dtype is torch.float32 and native.available() else 0
+    if one_f32 or 0 < mkl_from <= x.numel() // x.shape[-1]:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # oneDNN takes [rows, in]
     dense: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, entry.onednn, bias, "none", [], "")

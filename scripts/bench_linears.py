@@ -63,7 +63,7 @@ def _row_count(rows: int, dtype: torch.dtype, weights: list[torch.Tensor], onedn
             torch.nn.functional.linear(inputs[k], w)
 
     result = {"oneDNN": _median_ms(dnn, reps), "plain": _median_ms(plain, reps)}
-    if rows <= (native_matmul.TILED_F32_MAX_ROWS if f32 else native_matmul.TILED_MAX_ROWS):
+    if rows <= (native_matmul.tiled_f32_rows() if f32 else native_matmul.TILED_MAX_ROWS):
         result["tiled"] = _median_ms(kernel(native_matmul.TILED_F32 if f32 else native_matmul.TILED, tiles), reps)
     if not f32 and native_matmul.amx_available() and native_matmul.AMX_MIN_ROWS <= rows <= native_matmul.AMX_MAX_ROWS:
         result["amx"] = _median_ms(kernel(native_matmul.AMX, tiles), reps)

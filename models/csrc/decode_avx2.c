@@ -17,42 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vexp.h"
-
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+#include "vec8.h"
 
 #define AHEAD 64 /* positions prefetched ahead into L2, as decode_attention.c (4 KiB pages stop the hardware's) */
-
-static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline v8f splat8(float x) { return (v8f){0} + x; }
-
-static inline v8f select8(v8i mask, v8f yes, v8f no) { return (v8f)(((v8i)yes & mask) | ((v8i)no & ~mask)); }
-
-static inline float hsum8(v8f v) {
-    v += __builtin_shuffle(v, (v8i){4, 5, 6, 7, 0, 1, 2, 3});
-    v += __builtin_shuffle(v, (v8i){2, 3, 0, 1, 6, 7, 4, 5});
-    v += __builtin_shuffle(v, (v8i){1, 0, 3, 2, 5, 4, 7, 6});
-    return v[0];
-}
-
-static inline v8f max8(v8f a, v8f b) { return select8(a > b, a, b); }
-
-static inline float hmax8(v8f v) {
-    v = max8(v, __builtin_shuffle(v, (v8i){4, 5, 6, 7, 0, 1, 2, 3}));
-    v = max8(v, __builtin_shuffle(v, (v8i){2, 3, 0, 1, 6, 7, 4, 5}));
-    v = max8(v, __builtin_shuffle(v, (v8i){1, 0, 3, 2, 5, 4, 7, 6}));
-    return v[0];
-}
-
-DEFINE_VEXP(vexp8, v8f, v8i, select8, splat8) /* vexp.h: exp in 8 lanes */
 
 static inline void prefetch_row8(const float *base, int64_t p, int64_t D) {
     const char *row = (const char *)(base + p * D);

@@ -10,6 +10,7 @@
 // (layer_ops.cpp, built into the same library) call these kernels as the functions dispatch.h declares.
 #include <ATen/Parallel.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/arange.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -19,7 +20,9 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/rsqrt.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
@@ -27,6 +30,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -83,6 +87,7 @@ RmsFn rms_fn = nullptr;
 PieceFn piece_fn = nullptr;
 RunFn run_fn = nullptr;
 int64_t run_min = 0;  // the shortest run run_fn takes (native_library.shortest_run)
+int64_t f32_mkl_rows = 0;  // float32 steps of this many rows or more take MKL's matmul (native_library.f32_mkl_rows)
 DecodeFn decode_fn = nullptr;
 bool tiles = false;  // the process may use AMX tiles (native_library.has("amx")): bf16 prompt pieces take them
 bool parallel = false;  // the kernels were built with OpenMP
@@ -265,7 +270,8 @@ at::Tensor linear_kernel(const at::Tensor &x, const at::Tensor &weight, const st
         if (on_live_rows(xc, out, nullptr, rows, k, e.n, kernel->kind, call) == 0)
             return bias.has_value() ? out.add_(*bias) : out;
     }
-    if (x.scalar_type() == at::kFloat && rows == 1) return at::linear(x, weight, bias);  // MKL's, as the reference
+    if (x.scalar_type() == at::kFloat && (rows == 1 || (*switched_on && f32_mkl_rows > 0 && rows >= f32_mkl_rows)))
+        return at::linear(x, weight, bias);  // MKL's: the reference's for one row, faster for long steps on AVX2
     return onednn_linear(x.reshape({-1, k}).contiguous(), e.onednn, bias, "none").view(with_last(x, e.n));
 }
 
@@ -413,10 +419,48 @@ void pack_rows(const char *q, char *packed, int64_t first, int64_t n, int64_t he
         }
 }
 
+// [n, start + n] additive in `dtype`: token i of a piece from position `start` sees positions [0, start + i]
+// (mixed_attention._piece_mask). The 30 layers of a step ask for the same few: the last PIECE_MASKS kept (one engine
+// thread calls; thread_local all the same).
+constexpr size_t PIECE_MASKS = 4;
+at::Tensor piece_mask(int64_t start, int64_t n, at::ScalarType dtype) {
+    struct Mask {
+        int64_t start, n;
+        at::ScalarType dtype;
+        at::Tensor mask;
+    };
+    thread_local std::vector<Mask> kept;
+    for (const Mask &m : kept)
+        if (m.start == start && m.n == n && m.dtype == dtype) return m.mask;
+    const at::Tensor seen = at::arange(start + n).view({1, -1}).le(at::arange(start, start + n).view({-1, 1}));
+    at::Tensor mask = at::zeros(seen.sizes(), at::TensorOptions().dtype(dtype))
+                          .masked_fill_(seen.logical_not(), -std::numeric_limits<double>::infinity());
+    if (kept.size() == PIECE_MASKS) kept.erase(kept.begin());
+    kept.push_back(Mask{start, n, dtype, mask});
+    return mask;
+}
+
+// A prompt piece (tokens [first, first + n) of slot `slot` from position `start`) through SDPA into `out`, exactly as
+// the Python kernel calls it, where the piece kernel declines: piece_attention.c is AVX-512 only. Before, such a
+// piece handed the whole step to the Python kernel every layer (mixed_attention_general: ~1 ms a layer of Python
+// around the calls; Zen 3 EPYC, fp32, a 128-token step of 8 decoding rows and a 120-token piece).
+void sdpa_piece(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, at::Tensor &out,
+                int64_t first, int64_t n, int64_t slot, int64_t start, double scale) {
+    const at::Tensor q = query.narrow(2, first, n);
+    const at::Tensor k = key.narrow(0, slot, 1).narrow(2, 0, start + n);
+    const at::Tensor v = value.narrow(0, slot, 1).narrow(2, 0, start + n);
+    const bool gqa = query.size(1) != key.size(1);
+    const at::Tensor res =
+        start == 0 ? at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, true, scale, gqa)
+                   : at::scaled_dot_product_attention(q, k, v, piece_mask(start, n, query.scalar_type()), 0.0, false,
+                                                      scale, gqa);
+    out.narrow(2, first, n).copy_(res);
+}
+
 // query [1, H, T, D] (D contiguous), key/value [S + 1, H_kv, C, D] (slot S: padding), meta [1, 1, T, 2] long (slot,
 // position) -> [1, H, T, D], zeros at padding tokens: attention._mixed_attention_cpu's calls, each a C call (prompt
-// pieces: piece_attention.c; decoding runs: decode_attention.c); where a kernel or a layout declines, the whole op
-// goes to the Python kernel (`mixed_attention_general`, the same result).
+// pieces: piece_attention.c, or SDPA where it declines; decoding runs: decode_attention.c); where the decode kernel or
+// a layout declines, the whole op goes to the Python kernel (`mixed_attention_general`, the same result).
 at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, const at::Tensor &meta,
                         double scale) {
     const auto dtype = query.scalar_type();
@@ -459,10 +503,11 @@ at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at
                             i > 0 && is_run(i - 1)) == 0;
             } else if (!c.decoding) {
                 const int64_t slot = c.slots[0];
-                ok = slot >= 0 && slot < spare && c.ext[0] >= 0 && c.ext[0] + n <= capacity &&
-                     piece_fn(q + c.first * qt * es, k + slot * key.stride(0) * es, v + slot * key.stride(0) * es,
-                              o + c.first * ot * es, n, c.ext[0], heads, kv_heads, dim, qt, qh, ot, oh,
-                              key.stride(1), key.stride(2), static_cast<float>(scale), t, tiles && !f32, f32) == 0;
+                ok = slot >= 0 && slot < spare && c.ext[0] >= 0 && c.ext[0] + n <= capacity;
+                if (ok && piece_fn(q + c.first * qt * es, k + slot * key.stride(0) * es, v + slot * key.stride(0) * es,
+                                   o + c.first * ot * es, n, c.ext[0], heads, kv_heads, dim, qt, qh, ot, oh,
+                                   key.stride(1), key.stride(2), static_cast<float>(scale), t, tiles && !f32, f32) != 0)
+                    sdpa_piece(query, key, value, out, c.first, n, slot, c.ext[0], scale);
             } else {
                 ok = *std::min_element(c.slots.begin(), c.slots.end()) >= 0 &&
                      *std::max_element(c.slots.begin(), c.slots.end()) < spare &&
@@ -519,7 +564,8 @@ at::Tensor causal_kernel(const at::Tensor &query, const at::Tensor &key, const a
 // tiles, and where the switch lives.
 void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, int64_t rms_address,
           int64_t piece_address, int64_t decode_address, int64_t run_address, int64_t shortest_run, bool openmp,
-          bool amx, int64_t switch_address) {
+          bool amx, int64_t f32_mkl, int64_t switch_address) {
+    f32_mkl_rows = f32_mkl;
     linear_fn = reinterpret_cast<LinearFn>(linear_address);
     gated_fn = reinterpret_cast<GatedFn>(gated_address);
     masked_fn = reinterpret_cast<MaskedFn>(attention_address);
@@ -592,7 +638,7 @@ bool native_on() { return switched_on != nullptr && *switched_on; }
 
 TORCH_LIBRARY_FRAGMENT(bucketserve_dispatch, m) {
     m.def("bind(int linear, int gated, int attention, int rms, int piece, int decode, int run, int shortest_run, "
-          "bool openmp, bool amx, int switch) -> ()",
+          "bool openmp, bool amx, int f32_mkl_rows, int switch) -> ()",
           &bind);
     m.def("remember(int address, int n, int k, ScalarType dtype, Tensor onednn, int one_kind, int one_weight, "
           "int one_scales, int few_kind, int few_weight, int few_scales, int few_max) -> ()",

@@ -253,11 +253,17 @@ int bucketserve_piece_attention(const void *q, const void *k, const void *v, voi
     return failed ? -1 : 0;
 }
 #else
+int bucketserve_piece_attention_f32x8(const float *q, const float *k, const float *v, float *out, int64_t n,
+                                      int64_t start, int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh,
+                                      int64_t ot, int64_t oh, int64_t kvh, int64_t kvp, float scale, int threads);
+
+/* Without AVX512-BF16: fp32 pieces go to piece_avx2.c's 8-lane kernel (AVX2 builds without AVX-512; -1 elsewhere),
+ * bf16 ones decline (SDPA). */
 int bucketserve_piece_attention(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start,
                                 int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh, int64_t ot, int64_t oh,
                                 int64_t kvh, int64_t kvp, float scale, int threads, int tiles, int f32) {
-    (void)q, (void)k, (void)v, (void)out, (void)n, (void)start, (void)H, (void)Hkv, (void)D, (void)qt, (void)qh;
-    (void)ot, (void)oh, (void)kvh, (void)kvp, (void)scale, (void)threads, (void)tiles, (void)f32;
-    return -1;
+    if (!f32 || tiles) return -1;
+    return bucketserve_piece_attention_f32x8(q, k, v, out, n, start, H, Hkv, D, qt, qh, ot, oh, kvh, kvp, scale,
+                                             threads);
 }
 #endif

@@ -195,8 +195,12 @@ int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64
     return 0;
 }
 
-/* 1: this build has the float32 vector matmul (AVX-512 here, AVX2 below). */
-int bucketserve_tiled_f32_supported(void) { return 1; }
+/* The most rows of a float32 step this build's vector matmul takes ahead of oneDNN (0: it has none): with AVX-512,
+ * 32 (a Zen 4 EPYC, SmolLM2's 210 layer weights: 1.2x oneDNN at 32 rows, even at 64, 0.97x at 128); AVX2 below. */
+int bucketserve_tiled_f32_rows(void) { return 32; }
+/* The fewest rows of a float32 step that read MKL's matmul on the plain weight rather than oneDNN's packed copy (0:
+ * none, here: measured only on AVX2, below). */
+int bucketserve_f32_mkl_rows(void) { return 0; }
 #else
 int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
                                   int64_t K, int threads) {
@@ -218,20 +222,26 @@ int bucketserve_tiled_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t
 
 /* Columns [32g + 8 v0, 32g + 8 (v0 + nv)) of input rows [m0, m0 + rows): nv of the group's four 8-float vectors
  * a k (all four for 1-2 rows, a half for 3-6: 2 x rows or 4 x rows accumulators, nv weight vectors and a broadcast
- * fit the 16 registers). Inlined with constant rows and nv. */
+ * fit the 16 registers). Inlined with constant rows and nv. `ahead`: prefetch this group AHEAD_F32 k ahead (the
+ * pass that streams it from memory with nothing prefetched before it); `next`, `lines`: prefetch `lines` 64-byte
+ * lines from `next` (a slice of the next group), spread evenly over the K steps (NULL: none). */
 static inline __attribute__((always_inline)) void cols_f32(const float *x, const float *wg, float *y, const int rows,
                                                           const int64_t N, const int64_t K, const int64_t m0,
                                                           const int64_t g, const int v0, const int nv,
-                                                          const int prefetch) {
+                                                          const int ahead, const char *next, const int64_t lines) {
     __m256 acc[MAX_BLOCK_AVX2][4];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < nv; j++) acc[m][j] = _mm256_setzero_ps();
     const float *xr = x + m0 * K;
+    int64_t due = 0; /* Bresenham: `lines` prefetches over K steps */
     for (int64_t k = 0; k < K; k++) {
         const float *t = wg + k * 32;
-        if (prefetch) {
+        if (ahead) {
             _mm_prefetch((const char *)(t + AHEAD_F32 * 32), _MM_HINT_T1);
             _mm_prefetch((const char *)(t + AHEAD_F32 * 32 + 16), _MM_HINT_T1);
+        }
+        if (next) {
+            for (due += lines; due >= K; due -= K, next += 64) _mm_prefetch(next, _MM_HINT_T1);
         }
         __m256 wv[4];
         for (int j = 0; j < nv; j++) wv[j] = _mm256_loadu_ps(t + 8 * (v0 + j));
@@ -244,27 +254,39 @@ static inline __attribute__((always_inline)) void cols_f32(const float *x, const
         for (int j = 0; j < nv; j++) _mm256_storeu_ps(y + (m0 + m) * N + g * 32 + 8 * (v0 + j), acc[m][j]);
 }
 
-/* a pass of 3+ rows: the group's first half (streamed from memory, prefetching in the first pass), then its second
- * (from L2) */
+/* Sub-pass s of the group's H (a half group each: 2 a pass of 3+ rows) prefetches slice s of the next group's 2K
+ * lines into L2. Why: a group is read from memory once, by its first sub-pass, and the others read it from L2; had
+ * only that first sub-pass fetched (and stalled on memory), the rest would compute with memory idle. Spreading the
+ * next group's fetch over all H sub-passes keeps memory busy through the compute (8 rows, the 210 weights of a
+ * SmolLM2 step and the lm_head on the Zen 3 EPYC, one thread, alternated: 4 rows 45.8 -> 35.8 ms, 8 rows 65.5 -> 49.0,
+ * 12 rows 73.4 -> 53.1, 16 rows 88-90 -> 62-69, 24 rows 97.6 -> 77.5). The thread's first group streams itself
+ * (`ahead`). One and two rows keep streaming each group ahead of themselves (level either way). */
+#define SLICE(s) (next ? next + ((s) * 2 * K / H) * 64 : NULL), (next ? ((s) + 1) * 2 * K / H - (s) * 2 * K / H : 0)
+
+/* a pass of 3+ rows: the group's first half (streamed from memory in the first pass), then its second (from L2) */
 #define HALF_F32(rows)                                                                                                 \
     do {                                                                                                               \
-        cols_f32(x, wg, y, rows, N, K, m0, g, 0, 2, p == 0);                                                           \
-        cols_f32(x, wg, y, rows, N, K, m0, g, 2, 2, 0);                                                                \
+        cols_f32(x, wg, y, rows, N, K, m0, g, 0, 2, p == 0 && g == g0, SLICE(2 * p));                                  \
+        cols_f32(x, wg, y, rows, N, K, m0, g, 2, 2, 0, SLICE(2 * p + 1));                                              \
     } while (0)
 
 int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                                  int threads) {
     if (M < 1 || K < 1 || N < 32 || N % 32) return -1;
     const int64_t count = N / 32, passes = (M + MAX_BLOCK_AVX2 - 1) / MAX_BLOCK_AVX2;
+    const int64_t H = M <= 2 ? 1 : 2 * passes; /* sub-passes a group */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int t = 0; t < threads; t++) {
-        for (int64_t g = count * t / threads; g < count * (t + 1) / threads; g++) {
+        const int64_t g0 = count * t / threads, g1 = count * (t + 1) / threads;
+        for (int64_t g = g0; g < g1; g++) {
             const float *wg = w + g * K * 32;
+            const char *next = g + 1 < g1 ? (const char *)(wg + K * 32) : NULL;
             for (int64_t p = 0, m0 = 0; p < passes; p++) {
                 const int64_t rows = (M - m0) / (passes - p); /* as equal as possible: 7 rows 3 + 4 */
                 switch (rows) {
-                case 1: cols_f32(x, wg, y, 1, N, K, m0, g, 0, 4, 1); break; /* the only pass: 1-2 rows */
-                case 2: cols_f32(x, wg, y, 2, N, K, m0, g, 0, 4, 1); break;
+                /* the only pass: 1-2 rows stream each group themselves */
+                case 1: cols_f32(x, wg, y, 1, N, K, m0, g, 0, 4, 1, NULL, 0); break;
+                case 2: cols_f32(x, wg, y, 2, N, K, m0, g, 0, 4, 1, NULL, 0); break;
                 case 3: HALF_F32(3); break;
                 case 4: HALF_F32(4); break;
                 case 5: HALF_F32(5); break;
@@ -277,7 +299,15 @@ int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64
     return 0;
 }
 
-int bucketserve_tiled_f32_supported(void) { return 1; }
+/* AVX2: 128 rows. With the next group prefetched through every pass, SmolLM2's 210 layer weights ran on the Zen 3
+ * EPYC (one thread, alternated with oneDNN's packed matmul and MKL's) at 64 rows in 155-172 ms against 209-210 and
+ * 195-199, at 128 rows in 313-364 against 377-395 and 344-360; from 256 rows on MKL's was ahead of both (1024 rows:
+ * 2.9-3.0 s, oneDNN 3.0-3.3, this kernel 3.5-3.9). 128 is also the token budget of a mixed step while rows decode
+ * (buckets/defaults.py MIXED_STEP_TOKENS). */
+int bucketserve_tiled_f32_rows(void) { return 128; }
+/* AVX2: steps past this kernel's 128 rows read MKL's matmul (the same machine and weights, alternated: 256 rows 672-717
+ * ms against oneDNN's 735-771, 512 rows 1309-1427 against 1430-1550, 1024 rows 2664-3167 against 2932-3261). */
+int bucketserve_f32_mkl_rows(void) { return 129; }
 #else
 int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                                  int threads) {
@@ -285,7 +315,8 @@ int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64
     return -1;
 }
 
-int bucketserve_tiled_f32_supported(void) { return 0; }
+int bucketserve_tiled_f32_rows(void) { return 0; }
+int bucketserve_f32_mkl_rows(void) { return 0; }
 #endif
 
 int bucketserve_tiled_matmul_q8(const uint16_t *x, const int8_t *q, const float *scale, uint16_t *y, int64_t M,

@@ -54,12 +54,14 @@ KERNEL_DTYPE = torch.bfloat16 if native.decode_kernel(torch.bfloat16) else torch
 
 def test_the_kernels_build_and_load_here() -> None:
     """CI machines have the C compiler inductor needs; a silent fallback would only show as a slow bench. A CPU
-    with AVX2 and FMA has an fp32 decode kernel (decode_attention.c's, or decode_avx2.c's without AVX-512)."""
+    with AVX2 and FMA has an fp32 decode kernel (decode_attention.c's, or decode_avx2.c's without AVX-512) and the
+    fp32 vector matmul: for steps of up to 32 rows in its AVX-512 form, up to 128 in its AVX2 one."""
     assert native.available()
     flags = cpu_flags()
     if {"avx2", "fma"} <= flags:
         assert native.decode_kernel(torch.float32)
         assert native.decode_kernel(torch.bfloat16) == ("avx512f" in flags)
+        assert native_matmul.tiled_f32_rows() == (32 if "avx512_bf16" in flags else 128)
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -400,14 +402,17 @@ def test_tile_matmuls_equal_a_float32_matmul(kernel: str, rows: int, out_feature
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 40), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 25, 32])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 25, 32, 77, 128])
 def test_tiled_matmul_f32_equals_a_float32_matmul(rows: int, out_features: int, in_features: int,
                                                   threads: int) -> None:
     """The fp32 vector matmul on the fp32 tile copy (AVX-512, or AVX2: 1-2 rows over whole column groups, more in
-    equal passes of up to 6 rows over half groups: 7 = 3 + 4, 13 = 4 + 4 + 5, 25 = 5 x 5): within fp32 rounding of
-    PyTorch's (another order of sums)."""
+    equal passes of up to 6 rows over half groups: 7 = 3 + 4, 13 = 4 + 4 + 5, 25 = 5 x 5, each pass prefetching a
+    slice of the next group): within fp32 rounding of PyTorch's (another order of sums). Up to tiled_f32_rows()
+    rows (32 with AVX-512, 128 with AVX2); one more is oneDNN's."""
     if not (native.available() and native.has("f32")):
         pytest.skip("no AVX-512 or AVX2 kernels on this CPU")
+    if rows > native_matmul.tiled_f32_rows():
+        pytest.skip("past the rows this build's kernel takes")
     torch.manual_seed(rows * out_features + 2)
     x = torch.randn(rows, in_features)
     w = torch.randn(out_features, in_features) * in_features ** -0.5
@@ -419,7 +424,8 @@ def test_tiled_matmul_f32_equals_a_float32_matmul(rows: int, out_features: int, 
     torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
     alone = native_matmul.tiled_matmul_f32(x[rows - 1:], packed)  # each sum in k order: a row's bits in any call
     assert alone is not None and torch.equal(alone, got[rows - 1:])
-    assert native_matmul.tiled_matmul_f32(torch.randn(33, in_features), packed) is None  # 33 rows: oneDNN's
+    over = torch.randn(native_matmul.tiled_f32_rows() + 1, in_features)
+    assert native_matmul.tiled_matmul_f32(over, packed) is None  # oneDNN's
     assert native_matmul.f32_tile_pack(torch.randn(48, in_features)) is None  # N % 32
     assert native_matmul.f32_tile_pack(w.bfloat16()) is None
 

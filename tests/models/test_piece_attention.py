@@ -23,6 +23,13 @@ needs_kernel = pytest.mark.skipif(not (native.available() and native.has("matmul
                                   reason="the kernel needs AVX512-BF16 (the CPU path falls back to SDPA)")
 
 
+def _kernel_or_skip(dtype: torch.dtype) -> None:
+    """bf16 pieces need the AVX512-BF16 kernel; fp32 ones its AVX-512 form or piece_avx2.c's (AVX2 without
+    AVX-512)."""
+    if not (native.available() and native.has("piece_f32" if dtype == torch.float32 else "matmul")):
+        pytest.skip(f"no {dtype} piece kernel on this CPU (SDPA serves)")
+
+
 @pytest.fixture(params=["tiles", "vector"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The bf16 products: AMX tiles (where this CPU has them) or vector dot products (forced on AMX CPUs)."""
@@ -41,17 +48,18 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sc
                                           attn_mask=seen, scale=scale, enable_gqa=q.shape[0] != k.shape[0])[0]
 
 
-@needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 96)])
 # pieces of up to 8 tokens are run_attention.c's on the tiles, else run_vec.c's: (0, 1), (100, 3), (15, 5) (a
 # 16-position tile's edge), (60, 4) (one whole 64-position chunk), (150, 8) (three chunks; 24-32 query rows of a KV
 # head: two blocks)
+# fp32 on AVX2 (piece_avx2.c): blocks of 6 tokens, scores 16 positions at a time; (70, 130) fills the context
 @pytest.mark.parametrize(("start", "n"), [(0, 1), (0, 40), (5, 16), (17, 33), (100, 3), (64, 64), (15, 5), (60, 4),
-                                          (150, 8)])
+                                          (150, 8), (70, 130), (3, 7)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.usefixtures("threads")  # 1 and 2 compute threads
 def test_kernel_equals_float32_causal_attention(heads: int, kv_heads: int, dim: int, start: int, n: int,
                                                 dtype: torch.dtype, path: str) -> None:
+    _kernel_or_skip(dtype)
     if dtype == torch.float32 and path == "tiles":
         pytest.skip("fp32 has one path")
     torch.manual_seed(start * 7 + n + dim)
@@ -69,11 +77,11 @@ def test_kernel_equals_float32_causal_attention(heads: int, kv_heads: int, dim: 
     torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [37, 5])  # a piece, and a run (bf16: run_attention.c or run_vec.c)
 def test_kernel_reads_keys_with_a_position_stride(dtype: torch.dtype, path: str, n: int) -> None:
     """A prefill's keys are [H_kv, L, D] viewed from [L, H_kv, D]: positions H_kv * D elements apart."""
+    _kernel_or_skip(dtype)
     torch.manual_seed(3)
     heads, kv_heads, dim = 6, 2, 64
     k = torch.randn(n, kv_heads, dim).to(dtype).transpose(0, 1)

@@ -21,12 +21,15 @@ from models.prepack import PrepackedLinear, linear_cpu, packable_bytes, packed_c
 from models.runner import ModelRunner
 from models.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not supported(torch.bfloat16, "cpu"), reason="needs oneDNN (mkldnn) on the CPU")
+# oneDNN's bf16 reorder needs AVX-512 (or AVX-NE-CONVERT): the float32 tests still run on an AVX2-only CPU
+needs_bf16 = pytest.mark.skipif(not supported(torch.bfloat16, "cpu"), reason="needs oneDNN's bf16 on the CPU")
+needs_f32 = pytest.mark.skipif(not supported(torch.float32, "cpu"), reason="needs oneDNN (mkldnn) on the CPU")
 
 TABLE = BucketTable(lengths=(8, 16), batch_sizes=(1, 2), prefill_batch_sizes=(1,), context_length=32,
                     kv_lengths=(16, 32))
 
 
+@needs_bf16
 def test_prepacked_model_gives_the_same_logits(tiny_llama: str) -> None:
     model = load_model(tiny_llama, "bfloat16", "cpu")
     ids = torch.tensor([random.Random(0).choices(range(5, 400), k=12)])
@@ -42,6 +45,7 @@ def test_prepacked_model_gives_the_same_logits(tiny_llama: str) -> None:
     assert torch.equal(before, after)  # the same oneDNN kernel, only the weight's layout differs
 
 
+@needs_bf16
 def test_the_packed_copy_is_what_runs_and_is_dropped_with_its_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     # oneDNN on the packed copy, bit for bit: the small-row native matmul (which sums in another order) is off
     monkeypatch.setitem(native_library._switch, "on", False)
@@ -62,6 +66,7 @@ def test_the_packed_copy_is_what_runs_and_is_dropped_with_its_weight(monkeypatch
     assert packed_count() == alive
 
 
+@needs_bf16
 def test_runner_prepacks_only_where_supported(tiny_llama: str) -> None:
     bf16 = ModelRunner(load_model(tiny_llama, "bfloat16", "cpu"), TABLE, CompileSettings(backend="dynamo-eager"))
     assert bf16.prepacked > 0
@@ -75,6 +80,7 @@ def test_runner_prepacks_only_where_supported(tiny_llama: str) -> None:
     assert frozen.prepacked == 0  # freezing packs inside the graph
 
 
+@needs_bf16
 def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: str) -> None:
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     ids = random.Random(4).choices(range(5, 400), k=11)
@@ -101,17 +107,20 @@ def test_compiled_steps_run_the_packed_weights_and_match_plain_ones(tiny_llama: 
     assert outputs[0] == outputs[1]
 
 
-def test_float32_takes_the_vector_kernel_for_1_to_32_rows_mkl_with_kernels_off_and_onednn_for_more(
+@needs_f32
+def test_float32_takes_the_vector_kernel_for_its_rows_mkl_with_kernels_off_and_onednn_for_more(
         tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32: 1-32 rows take the native fp32 vector matmul on the fp32 tile copy (sums in another order: equal
-    within fp32 rounding), but one row on an AMX CPU the one-row matmul on the plain weight; with the kernels
-    off one row takes MKL's plain matmul (bit for bit the reference's);
-    more rows (and 2-32 with the kernels off) read oneDNN's packed copy (equal within fp32 rounding)."""
+    """float32: 1 to tiled_f32_rows() rows (32 with AVX-512, 128 with AVX2 only) take the native fp32 vector matmul
+    on the fp32 tile copy (sums in another order: equal within fp32 rounding), but one row on an AMX CPU the
+    one-row matmul on the plain weight; with the kernels off one row takes MKL's plain matmul (bit for bit the
+    reference's); more rows (and 2-32 with the kernels off) read oneDNN's packed copy (equal within fp32 rounding),
+    or MKL's plain matmul on AVX2-only CPUs (native.f32_mkl_rows)."""
     model = load_model(tiny_llama, "float32", "cpu")
     assert prepack(model) > 0
     layer = next(m for m in model.modules() if isinstance(m, PrepackedLinear))
     w = layer.weight.detach()
-    one, rows, many = (torch.randn(n, w.shape[1]) for n in (1, 8, 33))
+    kernel_rows = native_matmul.tiled_f32_rows() if native.available() and native.has("f32") else 32
+    one, rows, many = (torch.randn(n, w.shape[1]) for n in (1, 8, kernel_rows + 1))
     kernel_calls: list[tuple[int, int]] = []  # (kind, rows)
     real_packed = prepack_module.packed_linear
 
@@ -135,7 +144,11 @@ def test_float32_takes_the_vector_kernel_for_1_to_32_rows_mkl_with_kernels_off_a
                                    atol=1e-5)
     if native.available() and native.has("f32"):
         first = native_matmul.ONE_ROW_F32 if native_matmul.amx_available() else native_matmul.TILED_F32
-        assert kernel_calls == [(first, 1), (native_matmul.TILED_F32, 8)] and onednn_calls == [33]
+        past = [] if native.f32_mkl_rows() else [kernel_rows + 1]  # past the kernel: MKL's (AVX2 only) or oneDNN's
+        assert kernel_calls == [(first, 1), (native_matmul.TILED_F32, 8)] and onednn_calls == past
+        if native.f32_mkl_rows():  # MKL's own bits, through the op too (its C++ kernel where installed)
+            assert torch.equal(linear_cpu(many, w, layer.bias), nn.functional.linear(many, w, layer.bias))
+            assert torch.equal(layer(many), nn.functional.linear(many, w, layer.bias))
     monkeypatch.setitem(native_library._switch, "on", False)
     kernel_calls.clear()
     onednn_calls.clear()
@@ -150,6 +163,8 @@ def test_the_tile_copies_are_left_out_where_memory_is_short(tiny_llama: str, dty
     """The runner makes oneDNN's copy and the tile copy only where each leaves MEMORY_RESERVE free (the KV cache
     already allocated); without the tile copy small steps take oneDNN (or the plain weight) and give the same
     logits within the kernels' rounding; without room for either the linears stay plain."""
+    if not supported(getattr(torch, dtype), "cpu"):
+        pytest.skip(f"needs oneDNN's {dtype} on the CPU")
     weights = packable_bytes(load_model(tiny_llama, dtype, "cpu"))
     reserve = module_swaps.MEMORY_RESERVE
     for free, copies in ((2 * weights + reserve, 2), (2 * weights + reserve - 1, 1), (weights + reserve - 1, 0)):
