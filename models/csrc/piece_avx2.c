@@ -10,7 +10,7 @@
  *
  * Shapes and strides as piece_attention.c (fp32 elements): token t, head h of q at q + t*qt + h*qh (D contiguous),
  * out the same with ot, oh; position p of KV head g at k + g*kvh + p*kvp (D contiguous), v alike. H query heads,
- * Hkv KV heads (head h reads KV head h / (H / Hkv)). D % 8 == 0, D <= 256. Token t of the piece (position
+ * Hkv KV heads (head h reads KV head h / (H / Hkv)). D % 32 == 0, D <= 256. Token t of the piece (position
  * start + t) attends positions [0, start + t].
  *
  * Per KV head, K's positions [0, start + n) are copied transposed in blocks of 16 positions ([Lp / 16, D, 16]: 8
@@ -126,7 +126,8 @@ static void block8(const float *q, int64_t qt, const float *kt, const float *v, 
 int bucketserve_piece_attention_f32x8(const float *q, const float *k, const float *v, float *out, int64_t n,
                                       int64_t start, int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh,
                                       int64_t ot, int64_t oh, int64_t kvh, int64_t kvp, float scale, int threads) {
-    if (n < 1 || start < 0 || Hkv < 1 || H % Hkv || D < 8 || D % 8 || D > MAX_D || kvp < D) return -1;
+    /* D % 32 as piece_attention.c's (native.piece_attention checks the same, so the C++ and Python kernels agree) */
+    if (n < 1 || start < 0 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > MAX_D || kvp < D) return -1;
     const int64_t L = start + n, Lp = (L + 15) / 16 * 16, G = H / Hkv, blocks = (n + ROWS - 1) / ROWS;
     float *kt = malloc((size_t)(Hkv * D * Lp) * sizeof(float));
     if (kt == NULL) return -1;

@@ -382,6 +382,7 @@ def test_causal_attention_gives_the_python_kernels_bits(installed: None, dtype: 
         got, ops = _profiled(lambda q=q, k=k, v=v, dim=dim: torch.ops.bucketserve.causal_attention(q, k, v, dim ** -0.5))
         want = _causal_attention_cpu(q, k, v, dim ** -0.5)
         assert torch.equal(got, want) and got.stride() == want.stride(), (b, n, dim)
-        # else the Python kernel (SDPA), handed the whole call; the prompt kernel needs AVX512-BF16 in the build
-        kernel = on and dim % 32 == 0 and native.has("matmul")
+        # else the Python kernel (SDPA), handed the whole call; the bf16 prompt kernel needs AVX512-BF16 in the build,
+        # the fp32 one AVX-512 or AVX2 (piece_avx2.c)
+        kernel = on and dim % 32 == 0 and native.has("piece_f32" if dtype == torch.float32 else "matmul")
         assert ("bucketserve::causal_attention_general" not in ops) == kernel, (b, n, dim)

@@ -98,6 +98,7 @@ def test_kernel_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) 
     out = torch.zeros_like(q)
     assert not native.piece_attention(q.half(), k.half(), k.half(), out.half(), 0, 0.125)  # float16: SDPA
     assert not native.piece_attention(q.bfloat16(), k, k, out, 0, 0.125)  # mixed element types
+    assert not native.piece_attention(q[..., :48], k[..., :48], k[..., :48], out[..., :48], 0, 0.1)  # fp32, D % 32
     assert not out.any()
     q16, k16, o16 = q.bfloat16(), k.bfloat16(), out.bfloat16()
     assert not native.piece_attention(q16[..., :48], k16[..., :48], k16[..., :48], o16[..., :48], 0, 0.1)  # D % 32
