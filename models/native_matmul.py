@@ -17,7 +17,8 @@ Why (measured in docs/performance.md, one thread):
   it to bf16 as they go (half the bytes).
 - float32: the same scheme with FMAs on a fp32 tile copy, for 1-32 rows with AVX-512 and 1-128 with AVX2 only
   (`tiled_f32_rows`; AMD EPYC: one row 1.24x the plain-weight one-row matmul of small_matmul.c, itself ~1.5x MKL's
-  sgemv; 8 rows 1.8x oneDNN; Zen 3, AVX2: 1.3x oneDNN at 64 rows, 1.15-1.2x at 128); oneDNN for more rows.
+  sgemv; 8 rows 1.8x oneDNN; Zen 3, AVX2: 1.3x oneDNN at 64 rows, 1.15-1.2x at 128); oneDNN for more rows, or
+  MKL's matmul on AVX2 builds (`native_library.f32_mkl_rows`: 5-12% ahead of oneDNN at 256-1024 rows there).
 Shapes a kernel does not take, and machines without the kernels, use oneDNN (and MKL for one fp32 row).
 """
 

@@ -441,9 +441,10 @@ at::Tensor piece_mask(int64_t start, int64_t n, at::ScalarType dtype) {
 }
 
 // A prompt piece (tokens [first, first + n) of slot `slot` from position `start`) through SDPA into `out`, exactly as
-// the Python kernel calls it, where the piece kernel declines: piece_attention.c is AVX-512 only. Before, such a
-// piece handed the whole step to the Python kernel every layer (mixed_attention_general: ~1 ms a layer of Python
-// around the calls; Zen 3 EPYC, fp32, a 128-token step of 8 decoding rows and a 120-token piece).
+// the Python kernel calls it, where the piece kernel declines: a build with AVX-512 but no AVX512-BF16 has no fp32
+// piece kernel (piece_attention.c's needs AVX512-BF16, piece_avx2.c's no AVX-512), yet a decode kernel. Before, such
+// a piece handed the whole step to the Python kernel every layer (mixed_attention_general: ~0.2-0.3 ms a layer more;
+// Zen 3 EPYC, fp32, a 128-token step of 8 decoding rows and a 120-token piece, before piece_avx2.c).
 void sdpa_piece(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, at::Tensor &out,
                 int64_t first, int64_t n, int64_t slot, int64_t start, double scale) {
     const at::Tensor q = query.narrow(2, first, n);

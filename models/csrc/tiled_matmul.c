@@ -257,8 +257,8 @@ static inline __attribute__((always_inline)) void cols_f32(const float *x, const
 /* Sub-pass s of the group's H (a half group each: 2 a pass of 3+ rows) prefetches slice s of the next group's 2K
  * lines into L2. Why: a group is read from memory once, by its first sub-pass, and the others read it from L2; had
  * only that first sub-pass fetched (and stalled on memory), the rest would compute with memory idle. Spreading the
- * next group's fetch over all H sub-passes keeps memory busy through the compute (8 rows, the 210 weights of a
- * SmolLM2 step and the lm_head on the Zen 3 EPYC, one thread, alternated: 4 rows 45.8 -> 35.8 ms, 8 rows 65.5 -> 49.0,
+ * next group's fetch over all H sub-passes keeps memory busy through the compute (the 210 weights of a SmolLM2
+ * step and the lm_head on the Zen 3 EPYC, one thread, alternated: 4 rows 45.8 -> 35.8 ms, 8 rows 65.5 -> 49.0,
  * 12 rows 73.4 -> 53.1, 16 rows 88-90 -> 62-69, 24 rows 97.6 -> 77.5). The thread's first group streams itself
  * (`ahead`). One and two rows keep streaming each group ahead of themselves (level either way). */
 #define SLICE(s) (next ? next + ((s) * 2 * K / H) * 64 : NULL), (next ? ((s) + 1) * 2 * K / H - (s) * 2 * K / H : 0)
