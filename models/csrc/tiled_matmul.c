@@ -273,16 +273,25 @@ static inline __attribute__((always_inline)) void cols_f32(const float *x, const
 int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                                  int threads) {
     if (M < 1 || K < 1 || N < 32 || N % 32) return -1;
-    const int64_t count = N / 32, passes = (M + MAX_BLOCK_AVX2 - 1) / MAX_BLOCK_AVX2;
-    const int64_t H = M <= 2 ? 1 : 2 * passes; /* sub-passes a group */
+    /* 1-2 rows left over past whole passes of 6 take the whole group in one pass of their own (8 = 6 + 2, 13 =
+     * 6 + 6 + 1) instead of splitting the rows evenly (8 = 4 + 4): a half-group pass of 4 rows (8 accumulators)
+     * costs as much as one of 6 (12), so an even split of 7-8 rows paid four passes where three do. SmolLM2's 210
+     * layer weights on the Zen 3 EPYC, from memory, one thread, alternated: 8 rows 37.8 -> 28.3 ms (a 6-row step
+     * takes ~27), 7 rows 37.2 -> 30.4, 13 rows 47.1 -> 37.9, 14 rows 45.7 -> 40.6 (docs/performance.md, session 56).
+     * A remainder of 3-5 rows keeps the even split (9 = 5 + 4 beats 6 + 3). */
+    const int64_t tail = M > MAX_BLOCK_AVX2 && M % MAX_BLOCK_AVX2 <= 2 ? M % MAX_BLOCK_AVX2 : 0;
+    const int64_t count = N / 32, passes = tail ? M / MAX_BLOCK_AVX2 : (M + MAX_BLOCK_AVX2 - 1) / MAX_BLOCK_AVX2;
+    const int64_t H = M <= 2 ? 1 : 2 * passes + (tail > 0); /* sub-passes a group */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int t = 0; t < threads; t++) {
         const int64_t g0 = count * t / threads, g1 = count * (t + 1) / threads;
         for (int64_t g = g0; g < g1; g++) {
             const float *wg = w + g * K * 32;
             const char *next = g + 1 < g1 ? (const char *)(wg + K * 32) : NULL;
-            for (int64_t p = 0, m0 = 0; p < passes; p++) {
-                const int64_t rows = (M - m0) / (passes - p); /* as equal as possible: 7 rows 3 + 4 */
+            int64_t m0 = 0;
+            for (int64_t p = 0; p < passes; p++) {
+                /* as equal as possible (7 rows 3 + 4), or 6 each before a tail */
+                const int64_t rows = tail ? MAX_BLOCK_AVX2 : (M - m0) / (passes - p);
                 switch (rows) {
                 /* the only pass: 1-2 rows stream each group themselves */
                 case 1: cols_f32(x, wg, y, 1, N, K, m0, g, 0, 4, 1, NULL, 0); break;
@@ -294,6 +303,9 @@ int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64
                 }
                 m0 += rows;
             }
+            /* the tail: the whole group (in L2 by now), with the last slice of the next group's prefetch */
+            if (tail == 1) cols_f32(x, wg, y, 1, N, K, m0, g, 0, 4, 0, SLICE(H - 1));
+            if (tail == 2) cols_f32(x, wg, y, 2, N, K, m0, g, 0, 4, 0, SLICE(H - 1));
         }
     }
     return 0;

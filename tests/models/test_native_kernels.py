@@ -402,13 +402,15 @@ def test_tile_matmuls_equal_a_float32_matmul(kernel: str, rows: int, out_feature
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 40), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 25, 32, 77, 128])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 12, 13, 14, 20, 25, 32, 77, 128])
 def test_tiled_matmul_f32_equals_a_float32_matmul(rows: int, out_features: int, in_features: int,
                                                   threads: int) -> None:
     """The fp32 vector matmul on the fp32 tile copy (AVX-512, or AVX2: 1-2 rows over whole column groups, more in
-    equal passes of up to 6 rows over half groups: 7 = 3 + 4, 13 = 4 + 4 + 5, 25 = 5 x 5, each pass prefetching a
-    slice of the next group): within fp32 rounding of PyTorch's (another order of sums). Up to tiled_f32_rows()
-    rows (32 with AVX-512, 128 with AVX2); one more is oneDNN's."""
+    passes of up to 6 rows over half groups, each prefetching a slice of the next group: equal passes (9 = 4 + 5,
+    25 = 5 x 5), or 6-row passes and a last 1-2 rows over whole groups (7 = 6 + 1, 8 = 6 + 2, 13 = 6 + 6 + 1, 14,
+    20)): within fp32 rounding of PyTorch's (another order of sums), and each row's bits whatever pass it ran in
+    (its first and last rows alone). Up to tiled_f32_rows() rows (32 with AVX-512, 128 with AVX2); one more is
+    oneDNN's."""
     if not (native.available() and native.has("f32")):
         pytest.skip("no AVX-512 or AVX2 kernels on this CPU")
     if rows > native_matmul.tiled_f32_rows():
@@ -424,6 +426,8 @@ def test_tiled_matmul_f32_equals_a_float32_matmul(rows: int, out_features: int, 
     torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
     alone = native_matmul.tiled_matmul_f32(x[rows - 1:], packed)  # each sum in k order: a row's bits in any call
     assert alone is not None and torch.equal(alone, got[rows - 1:])
+    first = native_matmul.tiled_matmul_f32(x[:1], packed)
+    assert first is not None and torch.equal(first, got[:1])
     over = torch.randn(native_matmul.tiled_f32_rows() + 1, in_features)
     assert native_matmul.tiled_matmul_f32(over, packed) is None  # oneDNN's
     assert native_matmul.f32_tile_pack(torch.randn(48, in_features)) is None  # N % 32
