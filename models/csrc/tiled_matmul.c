@@ -276,9 +276,9 @@ int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64
     /* 1-2 rows left over past whole passes of 6 take the whole group in one pass of their own (8 = 6 + 2, 13 =
      * 6 + 6 + 1) instead of splitting the rows evenly (8 = 4 + 4): a half-group pass of 4 rows (8 accumulators)
      * costs as much as one of 6 (12), so an even split of 7-8 rows paid four passes where three do. SmolLM2's 210
-     * layer weights on the Zen 3 EPYC, from memory, one thread, alternated: 8 rows 37.8 -> 28.3 ms (a 6-row step
-     * takes ~27), 7 rows 37.2 -> 30.4, 13 rows 47.1 -> 37.9, 14 rows 45.7 -> 40.6 (docs/performance.md, session 56).
-     * A remainder of 3-5 rows keeps the even split (9 = 5 + 4 beats 6 + 3). */
+     * layer weights on the Zen 3 EPYC, from memory, one thread, alternated: 8 rows 37.9 -> 31.6 ms (another run
+     * 37.8 -> 28.3; a 6-row step takes ~27), 7 rows 37.2 -> 30.7, 13 rows 48.0 -> 38.6, 14 rows 44.8 -> 39.9
+     * (docs/performance.md, session 56). A remainder of 3-5 rows keeps the even split (9 = 4 + 5 beats 6 + 3). */
     const int64_t tail = M > MAX_BLOCK_AVX2 && M % MAX_BLOCK_AVX2 <= 2 ? M % MAX_BLOCK_AVX2 : 0;
     const int64_t count = N / 32, passes = tail ? M / MAX_BLOCK_AVX2 : (M + MAX_BLOCK_AVX2 - 1) / MAX_BLOCK_AVX2;
     const int64_t H = M <= 2 ? 1 : 2 * passes + (tail > 0); /* sub-passes a group */
