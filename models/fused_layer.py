@@ -22,8 +22,13 @@ place, as it ran the graph's index_copy_ (no copies in the generated code).
 
 Which layers: transformers' LlamaDecoderLayer with LlamaAttention (or session 49's kept-rows swap of it; a
 subclass may compute otherwise), whose projections and MLP are the prepacked, bias-free, SiLU-gated ones and whose
-norms are the native RMSNorm (so their formula was checked: models/rms_norm.py), in bf16 with the C++ kernels
-installed. tests/models/test_fused_layer.py runs the installed transformers' layer against the ops, bit for bit.
+norms are the native RMSNorm (so their formula was checked: models/rms_norm.py), in bf16 or fp32 with the C++
+kernels installed. tests/models/test_fused_layer.py runs the installed transformers' layer against the ops, bit for
+bit. In fp32 the ops compute the rotary, residual adds and SiLU product with eager's formulas and the norms in
+dispatch.cpp's loop, where the unfused compiled layer ran inductor's kernels for them; fp32 stays token-identical
+to transformers (`bucketserve verify`). Why there: its step time is level (a batch-8 decode step 50.6 against 49.8
+ms, a 128-token mixed step 348 against 345, the Zen 3 EPYC, alternated), but a stacked graph compiles in ~9 s where
+the unfused one took ~45: the fp32 table's cold warm-up 164 s against 426-547 (docs/performance.md, session 57).
 Which steps: those with the slot cache's mixed or decode layers (mixed, verify and decode graphs); a prefill or chunk
 step, or any other call, runs the layer's own forward. The last layer keeps its kept-rows MLP
 (models/kept_rows.py): the op zeroes the MLP input of the rows whose logits the step does not keep.
@@ -35,7 +40,7 @@ from typing import Any
 
 import torch
 
-from models import kept_rows
+from models import gated_mlp, kept_rows
 from models.gated_mlp import GatedSiLUMLP
 from models.prepack import PrepackedLinear
 from models.rms_norm import NativeRMSNorm
@@ -43,6 +48,9 @@ from models.slot_cache import DecodeCache, MixedCache
 
 # Exactly these classes, or their kept-rows swap (Mistral's layer passes a sliding window to its attention: not fused)
 LAYER_TYPES = frozenset({"LlamaDecoderLayer"})
+# bf16: the unfused layer's kernels and roundings; fp32: its linears and attention kernels, the norms, rotary,
+# residual adds and SiLU product in ATen's ops (eager's formulas) where inductor's kernels ran them
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
 ATTENTION_TYPE = "LlamaAttention"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -87,7 +95,7 @@ _SWAPPED: dict[type, type] = {}
 
 def _takes(hidden: torch.Tensor, mask: Any, cache: Any, embeddings: Any) -> bool:
     """Whether this call is a step the ops serve (decided at trace time: types, dtypes and static shapes)."""
-    if not isinstance(mask, torch.Tensor) or embeddings is None or hidden.dtype is not torch.bfloat16 \
+    if not isinstance(mask, torch.Tensor) or embeddings is None or hidden.dtype not in FUSED_DTYPES \
             or hidden.dim() != 3 or mask.dim() != 4:
         return False
     if isinstance(cache, MixedCache):  # (slot, position) per token
@@ -167,19 +175,23 @@ def _stackable(layers: list[Any]) -> bool:
 
 
 def _fusable(layer: torch.nn.Module) -> bool:
-    """A LAYER_TYPES layer with ATTENTION_TYPE attention, bias-free prepacked projections, a fused SiLU MLP without
-    biases, native RMSNorms, and an even head dim."""
+    """A LAYER_TYPES layer with ATTENTION_TYPE attention, bias-free prepacked projections of one FUSED_DTYPES dtype,
+    a SiLU-gated MLP without biases (fused, or in fp32, where the MLPs stay unfused, one gated_mlp would fuse: the
+    same formula), native RMSNorms, and an even head dim."""
     cls = type(layer)
     if (cls.__bases__[0] if kept_rows.keeps_rows(cls) else cls).__name__ not in LAYER_TYPES:
         return False
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if type(attn).__name__ != ATTENTION_TYPE or type(mlp) is not GatedSiLUMLP:
+    if type(attn).__name__ != ATTENTION_TYPE or mlp is None or not (type(mlp) is GatedSiLUMLP or gated_mlp.fusable(mlp)):
         return False
     linears = [getattr(attn, name, None) for name in PROJECTIONS]
     linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
     dim = getattr(attn, "head_dim", 0)
-    return (all(type(m) is PrepackedLinear and m.bias is None and m.weight.dtype is torch.bfloat16 for m in linears)
+    q_proj = getattr(attn, "q_proj", None)
+    dtype = q_proj.weight.dtype if isinstance(q_proj, PrepackedLinear) else None
+    return (dtype in FUSED_DTYPES
+            and all(type(m) is PrepackedLinear and m.bias is None and m.weight.dtype is dtype for m in linears)
             and all(type(n) is NativeRMSNorm for n in norms) and isinstance(dim, int) and dim > 0 and dim % 2 == 0
             and isinstance(getattr(attn, "scaling", None), float) and isinstance(getattr(attn, "layer_idx", None), int))
 

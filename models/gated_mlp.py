@@ -75,7 +75,7 @@ class GatedSiLUMLP(nn.Module):
         return out
 
 
-def _fusable(module: nn.Module) -> bool:
+def fusable(module: nn.Module) -> bool:
     """A transformers gated MLP (class named *MLP, exactly gate_proj / up_proj / down_proj / act_fn) with SiLU and
     prepacked linears."""
     children = dict(module.named_children())
@@ -87,7 +87,7 @@ def _fusable(module: nn.Module) -> bool:
 
 def fuse_gated_mlps(model: nn.Module) -> int:
     """Swap every fusable MLP of a prepacked `model` to GatedSiLUMLP; returns how many were swapped."""
-    found = [m for m in model.modules() if _fusable(m)]
+    found = [m for m in model.modules() if fusable(m)]
     for module in found:
         module.__class__ = GatedSiLUMLP
     return len(found)

@@ -12,7 +12,7 @@ import torch
 
 from models import native, native_matmul
 from models.compile import CompileSettings
-from models.fused_layer import swap_fused_layers
+from models.fused_layer import FUSED_DTYPES, swap_fused_layers
 from models.gated_mlp import fuse_gated_mlps
 from models.hardware import MEMORY_RESERVE, available_memory
 from models.kept_rows import swap_last_layer
@@ -67,16 +67,17 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
     # Prompt-sized steps fuse silu and the product into oneDNN. Not in float32: its fused epilogues would apply
     # swish where the reference rounds first.
     fused = fuse_gated_mlps(model) if prepacked and dtype != torch.float32 else 0
-    # bf16 RMSNorms of prompt-sized steps in one C call; decode steps keep inductor's.
-    norms = swap_rms_norms(model) if prepacked and dtype == torch.bfloat16 and native.available() else 0
+    # bf16 RMSNorms of prompt-sized steps in one C call; decode steps keep inductor's. fp32 norms keep the eager
+    # formula (the swap marks it checked, for the fused layers below).
+    norms = swap_rms_norms(model) if prepacked and dtype in FUSED_DTYPES and native.available() else 0
     # The linear, MLP and attention ops' kernels in C++ from now on (~7 us less a call, ~180 calls a decode step)
     native_ops = bool(prepacked) and native.available() and dispatch_natively()
     # The C++ linears skip zero rows, so zeroing the rows nobody reads makes the last MLP cheaper; elsewhere it
     # would cost a pass and save nothing.
     kept = native_ops and swap_last_layer(model)
-    # Two op calls a layer instead of ~11 calls and kernels from the graph's Python (bf16: its roundings are the
-    # unfused layer's; float32 stays the reference path)
-    layers = swap_fused_layers(model) if native_ops and norms and dtype == torch.bfloat16 else 0
+    # Two op calls a layer (one op a step where every layer is fused) instead of ~11 calls and kernels from the
+    # graph's Python: the unfused layer's roundings in bf16, the eager formulas in ATen's ops in fp32
+    layers = swap_fused_layers(model) if native_ops and norms and dtype in FUSED_DTYPES else 0
     return ModuleSwaps(prepacked, fused, norms, kept, layers)
 
 

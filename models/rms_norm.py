@@ -1,4 +1,4 @@
-"""RMSNorm of prompt-sized bf16 steps as one C call (models/csrc/rms_norm.c), decode-sized steps left to inductor.
+"""RMSNorm of prompt-sized steps as one C call (bf16: models/csrc/rms_norm.c), decode-sized steps left to inductor.
 
 transformers' Llama-style RMSNorm is `weight * bf16(x * rsqrt(mean(x^2) + eps))` with x and the mean in fp32.
 Inductor fuses it with the residual add before it into one kernel that converts each element between bf16 and
@@ -12,10 +12,11 @@ A decode step's few rows cost inductor a few microseconds, less than a call into
 Python), so the swapped module picks at trace time, from the step's static shape: the op from NATIVE_MIN_ROWS
 rows, else the eager formula (which inductor fuses as before).
 
-Only bf16 models with prepacked weights and the native kernels are swapped (float32 stays the reference,
-token-identical to transformers), only norms over the hidden size, and only those whose own forward gives this
-formula's bf16 output exactly (checked on a probe input at the swap: variants such as Gemma's `(1 + weight)` or
-OLMo-2's single rounding keep their own).
+Only models with prepacked weights and the native kernels are swapped, only norms over the hidden size, and only
+those whose own forward gives this formula's output exactly (checked on a probe input at the swap: variants such as
+Gemma's `(1 + weight)` or OLMo-2's single rounding keep their own). In float32 the op's C++ kernel is a plain loop
+(dispatch.cpp; its mean sums in its own order, as inductor's does: fp32 stays token-identical to transformers); the
+fused fp32 decoder layers (models/fused_layer.py) call it at every size.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from torch import nn
 from models import native, native_dispatch
 
 NATIVE_MIN_ROWS = 64  # rows (tokens) from which a step's norms run in the kernel: see the module docstring
+# the dtypes whose norms are swapped (and take the op from NATIVE_MIN_ROWS rows): bf16's kernel is rms_norm.c, fp32's
+# a loop in dispatch.cpp
+SWAPPED_DTYPES = (torch.bfloat16, torch.float32)
 
 _LIB = torch.library.Library("bucketserve", "FRAGMENT")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -62,7 +66,7 @@ class NativeRMSNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states [..., D]; the row count is static in a compiled step, so this branch is taken at trace time
         rows = hidden_states.numel() // hidden_states.shape[-1]
-        if rows >= NATIVE_MIN_ROWS and hidden_states.dtype is torch.bfloat16:
+        if rows >= NATIVE_MIN_ROWS and hidden_states.dtype in SWAPPED_DTYPES:
             out: torch.Tensor = torch.ops.bucketserve.rms_norm(hidden_states, self.weight,
                                                                float(self.variance_epsilon))
             return out
@@ -71,14 +75,14 @@ class NativeRMSNorm(nn.Module):
 
 def _swappable(module: nn.Module, dim: int) -> bool:
     """A `*RMSNorm` over the hidden size `dim` (not a per-head norm: its rows would be tokens x heads), with a bf16
-    [dim] weight and a float `variance_epsilon`, whose own forward gives eager_rms_norm's bf16 output exactly (a
+    or fp32 [dim] weight and a float `variance_epsilon`, whose own forward gives eager_rms_norm's output exactly (a
     variant that rounds once, as OLMo-2's `(weight * h).to(bf16)`, or adds one, as Gemma's, differs)."""
     weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
     if (type(module) is NativeRMSNorm or not type(module).__name__.endswith("RMSNorm")
-            or not isinstance(weight, torch.Tensor) or weight.shape != (dim,) or weight.dtype is not torch.bfloat16
+            or not isinstance(weight, torch.Tensor) or weight.shape != (dim,) or weight.dtype not in SWAPPED_DTYPES
             or not isinstance(eps, float)):
         return False
-    probe = (torch.randn(8, dim, generator=torch.Generator().manual_seed(0)) * 4).to(weight.device, torch.bfloat16)
+    probe = (torch.randn(8, dim, generator=torch.Generator().manual_seed(0)) * 4).to(weight.device, weight.dtype)
     with torch.no_grad():
         try:
             got = type(module).forward(module, probe)  # the class's forward: no hooks run
@@ -89,8 +93,8 @@ def _swappable(module: nn.Module, dim: int) -> bool:
 
 
 def swap_rms_norms(model: nn.Module) -> int:
-    """Swap every hidden-size RMSNorm of a bf16 `model` that computes the Llama formula to NativeRMSNorm; returns
-    how many."""
+    """Swap every hidden-size RMSNorm of a bf16 or fp32 `model` that computes the Llama formula to NativeRMSNorm;
+    returns how many."""
     dim = getattr(getattr(model, "config", None), "hidden_size", None)
     if not isinstance(dim, int) or dim % 16:  # the kernel takes multiples of 16
         return 0

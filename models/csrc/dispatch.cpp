@@ -29,6 +29,7 @@
 #include "dispatch.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -282,7 +283,9 @@ at::Tensor gated_kernel(const at::Tensor &x, const at::Tensor &gate, const std::
     if (lookup(gate, x, g) && lookup(up, x, u)) {
         const int64_t k = x.size(-1), rows = x.numel() / k;
         const Kernel *kg = g.kernel(rows), *ku = u.kernel(rows);
-        if (kg == nullptr || ku == nullptr) {  // oneDNN, silu and the product fused in its epilogues
+        // oneDNN, silu and the product fused in its epilogues; not fp32 (the fused decoder layers' MLPs there), whose
+        // swish epilogue would not round as eager's silu does: its linears and eager's formula below
+        if ((kg == nullptr || ku == nullptr) && x.scalar_type() != at::kFloat) {
             const at::Tensor r = x.reshape({-1, k}).contiguous();
             const at::Tensor act = onednn_linear(r, g.onednn, gate_bias, "swish");
             return onednn_times(r, act, u.onednn, up_bias).view(with_last(x, u.n));
@@ -303,7 +306,10 @@ at::Tensor gated_kernel(const at::Tensor &x, const at::Tensor &gate, const std::
                 return out;
         }
     }
-    return at::mul(at::silu(linear_kernel(x, gate, gate_bias)), linear_kernel(x, up, up_bias));
+    // in place on the gate's output (the same bits as at::mul(at::silu(..), ..), two allocations fewer)
+    at::Tensor h = linear_kernel(x, gate, gate_bias);
+    at::silu_(h);
+    return h.mul_(linear_kernel(x, up, up_bias));
 }
 
 // native._decode_takes: query [R, H_kv, G, D], key/value [S, H_kv, C, D] with the same strides, positions contiguous,
@@ -358,6 +364,29 @@ at::Tensor rms_kernel(const at::Tensor &x, const at::Tensor &weight, double eps)
         at::Tensor out = at::empty_like(xc);
         if (rms_fn(xc.data_ptr(), weight.data_ptr(), out.data_ptr(), xc.numel() / d, d, static_cast<float>(eps), t) == 0)
             return out;
+    }
+    if (*switched_on && d > 0 && xc.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+        weight.dim() == 1 && weight.size(0) == d && weight.is_contiguous()) {
+        // fp32: eager's formula, x * rsqrt(mean(x^2) + eps) then times the weight, each product rounded; the sum
+        // of squares in 8 lanes, then across them (eager's mean sums in another order: a last bit apart at times, as
+        // inductor's). Why: the fused fp32 layers call it twice a layer, and ATen's six ops took ~45 us a call
+        // (a batch-8 decode step's norm, under the profiler).
+        at::Tensor out = at::empty_like(xc);
+        const float *x = xc.data_ptr<float>(), *w = weight.data_ptr<float>();
+        float *o = out.data_ptr<float>();
+        for (int64_t r = 0, rows = xc.numel() / d; r < rows; r++) {
+            const float *xr = x + r * d;
+            float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            int64_t i = 0;
+            for (; i + 8 <= d; i += 8)
+                for (int j = 0; j < 8; j++) lanes[j] += xr[i + j] * xr[i + j];
+            for (; i < d; i++) lanes[i % 8] += xr[i] * xr[i];
+            float sum = 0.0f;
+            for (int j = 0; j < 8; j++) sum += lanes[j];
+            const float scale = 1.0f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
+            for (i = 0; i < d; i++) o[r * d + i] = w[i] * (xr[i] * scale);
+        }
+        return out;
     }
     const at::Tensor h = xc.to(at::kFloat);
     const at::Tensor normed = at::mul(h, at::rsqrt(at::add(h.pow(2).mean({-1}, true), eps)));

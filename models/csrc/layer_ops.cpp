@@ -9,7 +9,9 @@
 //
 // Numerics: the same as the unfused bf16 layer. The RMSNorms always take rms_norm.c (the unfused layer leaves steps
 // under 64 rows to inductor's formula, whose mean sums in another order: a rounding step apart, rarely); the rotary
-// rounds each product as eager does, and the residual adds are bf16 adds (both layer_math.c).
+// rounds each product as eager does, and the residual adds are bf16 adds (both layer_math.c). fp32 (the default
+// without AVX512-BF16): the norms take dispatch.cpp's fp32 loop (its mean summed in its own order, as inductor's
+// is), the rotary and the adds loops here with eager's roundings, the SiLU product ATen's ops.
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/cat.h>
@@ -30,18 +32,47 @@ using AddFn = int (*)(const void *a, const void *b, void *out, int64_t n);
 RotaryFn rotary_fn = nullptr;
 AddFn add_fn = nullptr;
 
-// a + b (same shape, bf16: layer_math.c, else ATen's add; the same bits), a new contiguous tensor
+// a + b (same shape, bf16: layer_math.c, fp32: a loop here, else ATen's add; the same bits), a new contiguous tensor
 at::Tensor residual_add(const at::Tensor &a, const at::Tensor &b) {
-    if (bucketserve::native_on() && add_fn != nullptr && a.scalar_type() == at::kBFloat16 &&
-        b.scalar_type() == at::kBFloat16 && a.sizes() == b.sizes() && a.is_contiguous() && b.is_contiguous()) {
+    const bool plain = bucketserve::native_on() && a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+                       a.is_contiguous() && b.is_contiguous();
+    if (plain && add_fn != nullptr && a.scalar_type() == at::kBFloat16) {
         at::Tensor out = at::empty_like(a);
         if (add_fn(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel()) == 0) return out;
+    }
+    if (plain && a.scalar_type() == at::kFloat) {  // ATen's add: ~5 us a call from here under the profiler
+        at::Tensor out = at::empty_like(a);
+        const float *x = a.data_ptr<float>(), *y = b.data_ptr<float>();
+        float *o = out.data_ptr<float>();
+        for (int64_t i = 0, n = a.numel(); i < n; i++) o[i] = x[i] + y[i];
+        return out;
     }
     return at::add(a, b).contiguous();
 }
 
+// fp32 x [tokens, heads * dim] contiguous rotated in place by c, s (`cs` elements a token: dim, or 0 for one row for
+// all), eager's formula with each product rounded before the sum (this file is built without FMA contraction: no
+// -march, so no FMA instructions). Why: ATen's seven ops a call (halves, negation, cat, products, sum, copy) took
+// ~3 ms of a batch-8 decode step under the profiler
+void rotate_f32(float *x, const float *c, const float *s, int64_t tokens, int64_t heads, int64_t dim, int64_t cs) {
+    const int64_t half = dim / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *ct = c + t * cs, *st = s + t * cs;
+        for (int64_t h = 0; h < heads; h++) {
+            float *r = x + (t * heads + h) * dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = r[i], b = r[half + i];
+                const float lo = a * ct[i], los = -b * st[i], hi = b * ct[half + i], his = a * st[half + i];
+                r[i] = lo + los;
+                r[half + i] = hi + his;
+            }
+        }
+    }
+}
+
 // x [..., heads * dim] contiguous (its rows the tokens), rotated in place by cos / sin [..., dim] (a row per token,
-// or one row for all): layer_math.c, else the eager formula in ATen's bf16 ops (each rounded, as eager's).
+// or one row for all): layer_math.c (bf16), rotate_f32 (fp32), else the eager formula in ATen's ops (each rounded,
+// as eager's).
 void rotate(at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin, int64_t dim) {
     const int64_t width = x.size(-1), tokens = x.numel() / width, heads = width / dim;
     const at::Tensor c = cos.contiguous(), s = sin.contiguous();
@@ -52,6 +83,12 @@ void rotate(at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin, int64_t
         c.scalar_type() == at::kBFloat16 && s.scalar_type() == at::kBFloat16 &&
         rotary_fn(x.data_ptr(), c.data_ptr(), s.data_ptr(), tokens, heads, dim, width, rows == 1 ? 0 : dim) == 0)
         return;
+    if (bucketserve::native_on() && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+        c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat) {
+        rotate_f32(x.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), tokens, heads, dim,
+                   rows == 1 ? 0 : dim);
+        return;
+    }
     at::Tensor v = x.view({tokens, heads, dim});
     const at::Tensor rotated = at::cat({at::neg(v.narrow(2, dim / 2, dim / 2)), v.narrow(2, 0, dim / 2)}, 2);
     v.copy_(at::add(at::mul(v, c.view({rows, 1, dim})), at::mul(rotated, s.view({rows, 1, dim}))));

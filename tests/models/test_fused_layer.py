@@ -1,7 +1,8 @@
 """Decoder layers as two C++ ops (models/fused_layer.py, models/csrc/layer_ops.cpp): the ops round as the unfused
-bf16 layer rounds, a fused runner's mixed, verify and decode steps give the unfused runner's logits bit for bit
-(the unfused runner runs the installed transformers' Llama code: a release that changes it fails here), and only
-Llama bf16 layers on the native kernels are swapped."""
+bf16 layer rounds, a fused runner's mixed, verify and decode steps give the unfused runner's logits bit for bit in
+bf16 (compiled) and fp32 (eager: the fp32 ops compute the installed transformers' formulas in ATen's ops; the
+unfused runner runs the installed transformers' Llama code: a release that changes it fails here), and only Llama
+bf16 and fp32 layers on the native kernels are swapped."""
 
 from __future__ import annotations
 
@@ -70,28 +71,34 @@ def test_qkv_rope_rounds_as_the_eager_layer(dim: int, decode: bool, switched_on:
     assert got_q.is_contiguous() and got_k.is_contiguous() and got_v.is_contiguous()  # as the fake declares
 
 
-def _runner(path: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
+def _runner(path: str, fused: bool, monkeypatch: pytest.MonkeyPatch, dtype: str = "bfloat16",
+            backend: str = "inductor") -> ModelRunner:
     if not fused:
         monkeypatch.setattr(models.module_swaps, "swap_fused_layers", lambda model: 0)
-    runner = ModelRunner(load_model(path, "bfloat16", "cpu"), TABLE, CompileSettings(backend="inductor"))
+    runner = ModelRunner(load_model(path, dtype, "cpu"), TABLE, CompileSettings(backend=backend))
     monkeypatch.undo()
     return runner
 
 
 @needs_ops
-@needs_onednn
+@pytest.mark.parametrize(("dtype", "backend"), [pytest.param("bfloat16", "inductor", marks=needs_onednn),
+                                                ("float32", "eager")])
 @pytest.mark.parametrize("stacked", [True, False])
 def test_fused_steps_give_the_unfused_logits_bit_for_bit(tiny_llama: str, monkeypatch: pytest.MonkeyPatch,
-                                                         stacked: bool) -> None:
-    """Compiled mixed, verify and decode steps, one after another on the same slots (each reads what the last wrote),
-    fused against unfused: every layer in one decoder_stack call (the default where every layer is fused), or two
-    ops a layer. Both take the native RMSNorm at every size (the unfused decode-sized steps would take inductor's
-    formula, a rounding step apart at times), so the logits are equal, not merely close."""
+                                                         stacked: bool, dtype: str, backend: str) -> None:
+    """Mixed, verify and decode steps, one after another on the same slots (each reads what the last wrote), fused
+    against unfused: every layer in one decoder_stack call (the default where every layer is fused), or two ops a
+    layer. bf16, compiled: both take the native RMSNorm at every size (the unfused decode-sized steps would take
+    inductor's formula, a rounding step apart at times), so the logits are equal, not merely close. fp32, eager:
+    the unfused steps run transformers' own code, whose formulas the fused ops compute in the same ATen ops (the
+    compiled unfused fp32 layer runs inductor's kernels for the norms and adds, which may round otherwise)."""
     monkeypatch.setattr(models.rms_norm, "NATIVE_MIN_ROWS", 1)
-    plain = _runner(tiny_llama, False, monkeypatch)
+    plain = _runner(tiny_llama, False, monkeypatch, dtype, backend)
     monkeypatch.setattr(models.rms_norm, "NATIVE_MIN_ROWS", 1)
-    fused = _runner(tiny_llama, True, monkeypatch)
+    fused = _runner(tiny_llama, True, monkeypatch, dtype, backend)
     assert plain.fused_layers == 0 and fused.fused_layers == 2  # the tiny model's two layers
+    if backend == "eager":  # the layers run their forward at each step (nothing traced): the op's norm from here on
+        monkeypatch.setattr(models.rms_norm, "NATIVE_MIN_ROWS", 1)
     layers = fused.model.model.layers
     assert all(layer.__dict__.get("_stack") == tuple(layers) for layer in layers)
     if not stacked:
@@ -133,7 +140,7 @@ def test_fused_steps_give_the_unfused_logits_bit_for_bit(tiny_llama: str, monkey
 
 @needs_ops
 @needs_onednn
-def test_only_llama_shaped_bf16_layers_on_the_native_ops_are_swapped(tiny_models: dict[str, str]) -> None:
+def test_only_llama_shaped_layers_on_the_native_ops_are_swapped(tiny_models: dict[str, str]) -> None:
     table = BucketTable(lengths=(8,), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=16,
                         kv_lengths=(16,))
 
@@ -145,20 +152,40 @@ def test_only_llama_shaped_bf16_layers_on_the_native_ops_are_swapped(tiny_models
         return layers
 
     assert fused_layers("llama", "bfloat16") == 2
-    assert fused_layers("llama", "float32") == 0  # the reference path stays transformers'
     assert fused_layers("llama", "bfloat16", native_kernels=False) == 0  # --no-native-kernels
     assert fused_layers("qwen2", "bfloat16") == 0  # q / k / v biases
     assert fused_layers("gpt2", "bfloat16") == 0
 
 
-def test_the_eager_rms_norm_is_the_formula_the_ops_assume() -> None:
+@needs_ops
+def test_fp32_llama_layers_on_the_native_ops_are_swapped(tiny_models: dict[str, str]) -> None:
+    """fp32 (oneDNN packs fp32 on every x86 CPU): Llama's layers, not on --no-native-kernels, not with biases."""
+    table = BucketTable(lengths=(8,), batch_sizes=(1,), prefill_batch_sizes=(1,), context_length=16,
+                        kv_lengths=(16,))
+
+    def fused_layers(arch: str, **settings: bool) -> int:
+        runner = ModelRunner(load_model(tiny_models[arch], "float32", "cpu"), table,
+                             CompileSettings(backend="eager", **settings))  # type: ignore[arg-type]
+        layers = runner.fused_layers
+        runner.stop_serving()
+        return layers
+
+    assert fused_layers("llama") == 2
+    assert fused_layers("llama", native_kernels=False) == 0
+    assert fused_layers("qwen2") == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_eager_rms_norm_is_the_formula_the_ops_assume(dtype: torch.dtype) -> None:
     """models/rms_norm.py's eager formula is the layer's (the fused op calls the norm op, which rounds as it)."""
     torch.manual_seed(3)
-    x, weight = torch.randn(3, 64).bfloat16(), (torch.randn(64) + 1).bfloat16()
-    norm = modeling_llama.LlamaRMSNorm(64, eps=1e-6).bfloat16()
+    x, weight = torch.randn(3, 64).to(dtype), (torch.randn(64) + 1).to(dtype)
+    norm = modeling_llama.LlamaRMSNorm(64, eps=1e-6).to(dtype)
     norm.weight.data.copy_(weight)
     with torch.no_grad():
         assert torch.equal(norm(x), eager_rms_norm(x, weight, 1e-6))
+        # the op (its kernels sum the mean in their own order: a last bit apart at times)
+        torch.testing.assert_close(torch.ops.bucketserve.rms_norm(x, weight, 1e-6), norm(x))
 
 
 @needs_ops
