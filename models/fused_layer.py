@@ -48,8 +48,8 @@ from models.slot_cache import DecodeCache, MixedCache
 
 # Exactly these classes, or their kept-rows swap (Mistral's layer passes a sliding window to its attention: not fused)
 LAYER_TYPES = frozenset({"LlamaDecoderLayer"})
-# bf16: the unfused layer's kernels and roundings; fp32: its linears and attention kernels, the norms, rotary,
-# residual adds and SiLU product in ATen's ops (eager's formulas) where inductor's kernels ran them
+# bf16: the unfused layer's kernels and roundings; fp32: its linears and attention kernels, the rotary and residual
+# adds as loops with eager's roundings, the norms in dispatch.cpp's loop, the SiLU product in ATen's ops
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
 ATTENTION_TYPE = "LlamaAttention"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")

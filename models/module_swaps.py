@@ -67,8 +67,8 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
     # Prompt-sized steps fuse silu and the product into oneDNN. Not in float32: its fused epilogues would apply
     # swish where the reference rounds first.
     fused = fuse_gated_mlps(model) if prepacked and dtype != torch.float32 else 0
-    # bf16 RMSNorms of prompt-sized steps in one C call; decode steps keep inductor's. fp32 norms keep the eager
-    # formula (the swap marks it checked, for the fused layers below).
+    # RMSNorms of prompt-sized steps in one C call (bf16: rms_norm.c, fp32: a loop in dispatch.cpp); decode steps
+    # keep inductor's. The fused layers below need the swap (it checks the formula).
     norms = swap_rms_norms(model) if prepacked and dtype in FUSED_DTYPES and native.available() else 0
     # The linear, MLP and attention ops' kernels in C++ from now on (~7 us less a call, ~180 calls a decode step)
     native_ops = bool(prepacked) and native.available() and dispatch_natively()
@@ -76,7 +76,8 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
     # would cost a pass and save nothing.
     kept = native_ops and swap_last_layer(model)
     # Two op calls a layer (one op a step where every layer is fused) instead of ~11 calls and kernels from the
-    # graph's Python: the unfused layer's roundings in bf16, the eager formulas in ATen's ops in fp32
+    # graph's Python: the unfused layer's roundings in bf16, eager's formulas in fp32 (graphs of a fifth of the
+    # unfused one's compile time; fp32 steps take as long either way)
     layers = swap_fused_layers(model) if native_ops and norms and dtype in FUSED_DTYPES else 0
     return ModuleSwaps(prepacked, fused, norms, kept, layers)
 

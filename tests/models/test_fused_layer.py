@@ -1,6 +1,6 @@
 """Decoder layers as two C++ ops (models/fused_layer.py, models/csrc/layer_ops.cpp): the ops round as the unfused
 bf16 layer rounds, a fused runner's mixed, verify and decode steps give the unfused runner's logits bit for bit in
-bf16 (compiled) and fp32 (eager: the fp32 ops compute the installed transformers' formulas in ATen's ops; the
+bf16 (compiled) and fp32 (eager: the fp32 ops compute the installed transformers' formulas with its roundings; the
 unfused runner runs the installed transformers' Llama code: a release that changes it fails here), and only Llama
 bf16 and fp32 layers on the native kernels are swapped."""
 
@@ -90,8 +90,9 @@ def test_fused_steps_give_the_unfused_logits_bit_for_bit(tiny_llama: str, monkey
     against unfused: every layer in one decoder_stack call (the default where every layer is fused), or two ops a
     layer. bf16, compiled: both take the native RMSNorm at every size (the unfused decode-sized steps would take
     inductor's formula, a rounding step apart at times), so the logits are equal, not merely close. fp32, eager:
-    the unfused steps run transformers' own code, whose formulas the fused ops compute in the same ATen ops (the
-    compiled unfused fp32 layer runs inductor's kernels for the norms and adds, which may round otherwise)."""
+    the unfused steps run transformers' own code (its norms the op at every size, as the fused layers'), whose
+    formulas the fused ops compute with the same roundings (the compiled unfused fp32 layer runs inductor's kernels
+    for the norms and adds, which may round otherwise)."""
     monkeypatch.setattr(models.rms_norm, "NATIVE_MIN_ROWS", 1)
     plain = _runner(tiny_llama, False, monkeypatch, dtype, backend)
     monkeypatch.setattr(models.rms_norm, "NATIVE_MIN_ROWS", 1)
