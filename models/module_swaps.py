@@ -16,7 +16,7 @@ from models.fused_layer import FUSED_DTYPES, swap_fused_layers
 from models.gated_mlp import fuse_gated_mlps
 from models.hardware import MEMORY_RESERVE, available_memory
 from models.kept_rows import swap_last_layer
-from models.prepack import dispatch_natively, packable_bytes, prepack
+from models.prepack import dispatch_natively, onednn_unread, packable_bytes, prepack
 from models.prepack import supported as prepack_supported
 from models.rms_norm import swap_rms_norms
 
@@ -63,7 +63,9 @@ def swap_modules(model: torch.nn.Module, settings: CompileSettings, tp_size: int
             third = " and the AMX and vector matmuls on a tile copy (a third)"
         elif dtype == torch.bfloat16 and native_matmul.tiled_available():
             third = " and the vector matmul on a tile copy (a third)"
-        log.info("%d linear weights prepacked for oneDNN (a second copy of each)%s", prepacked, third)
+        second = " (no oneDNN copy: every step takes the vector matmul or MKL's)" if onednn_unread(dtype) \
+            and copies > 1 else " for oneDNN (a second copy of each)"
+        log.info("%d linear weights prepacked%s%s", prepacked, second, third)
     # Prompt-sized steps fuse silu and the product into oneDNN. Not in float32: its fused epilogues would apply
     # swish where the reference rounds first.
     fused = fuse_gated_mlps(model) if prepacked and dtype != torch.float32 else 0

@@ -84,12 +84,18 @@ def tile_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return _tiled(weight.detach()) if _tiles_take(weight, amx_available() or tiled_available()) else None
 
 
+def f32_tiles_take(weight: torch.Tensor) -> bool:
+    """Whether f32_tile_pack copies `weight`: [N, K] fp32, N a multiple of 32, the kernel runs here."""
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    return weight.dtype == torch.float32 and bool(n) and bool(k) and not n % 32 and available() and has("f32")
+
+
 def f32_tile_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] fp32 -> its copy for the fp32 vector matmul, [N/32, K, 32] (tiled_matmul.c: the 32 weights of
     column group g at k are [g, k, :]), or None when the kernel does not run here or N is not a multiple of 32."""
-    n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    if weight.dtype != torch.float32 or not n or not k or n % 32 or not available() or not has("f32"):
+    if not f32_tiles_take(weight):
         return None
+    n, k = weight.shape
     return weight.detach().view(n // 32, 32, k).transpose(1, 2).contiguous()
 
 

@@ -44,7 +44,8 @@ oneDNN is as fast or faster up to prompt-sized steps. Its sums run in another or
 fp32 rounding (~1e-5 here), as MKL's own batched and one-row results already did, and greedy tokens stay those
 of transformers' eager float32 (`bucketserve verify --dtype float32`, the invariance tests). No fused MLP, no
 native RMSNorm in float32 (its native kernels: these matmuls and the attention kernels).
-Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16, 540 in fp32), the
+Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16, 540 in fp32, none
+in fp32 on AVX2 builds, whose steps never read it: `onednn_unread`), the
 tile copy a third (and the lm_head's: 57 MB more in bf16 for SmolLM2's tied embeddings, 113 in fp32); the int8
 copy, where it replaces the AMX one, half of the bf16 one. The runner asks for the copies only where memory holds
 them (models/module_swaps.py): where it is short the tile copy is left out first, then oneDNN's.
@@ -75,6 +76,7 @@ from models.native_matmul import (
     Kernel,
     amx_available,
     f32_tile_pack,
+    f32_tiles_take,
     int8_kind,
     int8_pack,
     one_row_f32_takes,
@@ -88,7 +90,7 @@ from models.native_matmul import (
 class Packed(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
-    onednn: torch.Tensor  # oneDNN's blocked copy (prompt-sized steps)
+    onednn: torch.Tensor  # oneDNN's blocked copy (prompt-sized steps), or the plain weight where none reads it
     tiles: torch.Tensor | None  # the tile copy (AMX: 2-128 rows; vector: any; fp32 vector: 1-32), or None
     int8: tuple[torch.Tensor, torch.Tensor] | None  # --quantize int8: (q, scale) for steps of 1-128 rows, or None
     one: Kernel | None  # what a one-row step reads (native_matmul.packed_linear), or None: oneDNN
@@ -208,6 +210,26 @@ def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     return True
 
 
+def onednn_unread(dtype: torch.dtype) -> bool:
+    """Whether steps of `dtype` never read oneDNN's copy while the native kernels are on: fp32 where the vector
+    matmul takes 1 to tiled_f32_rows() rows and MKL's matmul every longer step (AVX2 builds: 1-128 and 129+)."""
+    if dtype != torch.float32 or not native.available():  # (available() loads the library the row counts come from)
+        return False
+    rows = tiled_f32_rows()
+    return rows > 0 and native.f32_mkl_rows() == rows + 1
+
+
+def _onednn_copy(weight: torch.Tensor, tiles_too: bool) -> torch.Tensor:
+    """oneDNN's blocked copy of `weight`, or the plain weight itself where no step reads oneDNN's (onednn_unread,
+    and the fp32 tile copy is made): oneDNN takes a plain weight too, reordering it at each call, which only a run
+    with the native kernels switched off reaches. Why: on the Zen 3 EPYC the copy was 540 MB of SmolLM2's fp32
+    weights that no step read."""
+    if tiles_too and onednn_unread(weight.dtype) and f32_tiles_take(weight):
+        return weight
+    copy: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight)
+    return copy
+
+
 def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int:
     """Swap every plain nn.Linear of `model` to PrepackedLinear and pack its weight (once: a weight shared by
     two modules, e.g. tied embeddings, or a model prepacked before). Returns how many distinct weights of the
@@ -236,7 +258,7 @@ def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int
             with _LOCK:
                 entry = _PACKED.get(key)
                 if entry is None or (quantize == "int8") != (entry.int8 is not None):
-                    onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if entry is None else entry.onednn
+                    onednn = _onednn_copy(weight, tiles) if entry is None else entry.onednn
                     _PACKED[key] = packed = _packed(weight, onednn, quantize, tiles)
                     _mirror(key, packed)
                     made.append(key)

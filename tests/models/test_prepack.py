@@ -149,12 +149,19 @@ def test_float32_takes_the_vector_kernel_for_its_rows_mkl_with_kernels_off_and_o
         if native.f32_mkl_rows():  # MKL's own bits, through the op too (its C++ kernel where installed)
             assert torch.equal(linear_cpu(many, w, layer.bias), nn.functional.linear(many, w, layer.bias))
             assert torch.equal(layer(many), nn.functional.linear(many, w, layer.bias))
+    entry = prepack_module.packed_for(w, rows)
+    assert entry is not None
+    unread = prepack_module.onednn_unread(torch.float32) and native_matmul.f32_tiles_take(w)  # asked with kernels on
     monkeypatch.setitem(native_library._switch, "on", False)
     kernel_calls.clear()
     onednn_calls.clear()
     assert torch.equal(linear_cpu(one, w, None), nn.functional.linear(one, w))
     linear_cpu(rows, w, None)
     assert kernel_calls == [] and onednn_calls == [8]  # kernels off: MKL's matmul for one row, oneDNN for more
+    # where no step reads oneDNN's copy with the kernels on (AVX2 builds), none was made: oneDNN took the plain
+    # weight just now, as it does on the reordered copy elsewhere
+    assert (not entry.onednn.is_mkldnn and entry.onednn.data_ptr() == w.data_ptr()) == unread
+    torch.testing.assert_close(linear_cpu(rows, w, None), nn.functional.linear(rows, w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
