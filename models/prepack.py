@@ -42,8 +42,8 @@ fp32 matmul on the packed copy. MKL's sgemm is slow at a few rows here (one thre
 0.35 ms for a 1536x576 weight against oneDNN's 0.18 from the packed copy, the lm_head 14.8 against 6.4 ms), and
 oneDNN is as fast or faster up to prompt-sized steps. Its sums run in another order than MKL's: outputs differ by
 fp32 rounding (~1e-5 here), as MKL's own batched and one-row results already did, and greedy tokens stay those
-of transformers' eager float32 (`bucketserve verify --dtype float32`, the invariance tests). No fused MLP, no
-native RMSNorm in float32 (its native kernels: these matmuls and the attention kernels).
+of transformers' eager float32 (`bucketserve verify --dtype float32`, the invariance tests). No fused MLP module in
+float32 (its decoder layers run fused all the same: models/fused_layer.py).
 Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16, 540 in fp32, none
 in fp32 on AVX2 builds, whose steps never read it: `onednn_unread`), the
 tile copy a third (and the lm_head's: 57 MB more in bf16 for SmolLM2's tied embeddings, 113 in fp32); the int8
