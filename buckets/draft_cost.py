@@ -1,21 +1,24 @@
 """Whether draft tokens pay for what they cost: the goodput rule of cost-aware speculative decoding (SmartSpec's
 idea: draft only while the expected accepted tokens come cheaper than the step's own), fitted to the step times
-the engine measures as it serves. Pure Python; the scheduler (buckets/scheduler.py) asks `pays` before it plans a
-step's drafts and feeds `observe` and `verified`.
+the engine measures as it serves. Pure Python; the scheduler (buckets/scheduler.py) asks `threshold` before it plans
+a step's drafts and feeds `observe`.
 
 The model: a step that computes n tokens takes a + b*n seconds (a: reading the weights and the fixed work of a
 step, b: the arithmetic of one more token), fitted by least squares over recent steps of decoding rows (decode
-steps, and verify steps without prompt pieces: a prompt piece's attention would tilt the line). A draft is
-accepted with probability p (the recent accepted / drafted). D drafts beside n tokens yield n + p*D tokens in
-a + b*(n + D) seconds against n in a + b*n, so they raise the step's tokens a second exactly when
+steps, and verify steps without prompt pieces: a prompt piece's attention would tilt the line). A draft that yields
+a token with chance q adds q tokens and b seconds to a step of n tokens in a + b*n, so it raises the step's tokens a
+second exactly when
 
-    p * (a + b*n) > b * n
+    q > b*n / (a + b*n)
 
-whatever D is. Where a step is memory-bound (bf16 weights on a CPU with AVX512-BF16, or a one-stream step) b is
-small beside a and drafts pay; where each token costs its full arithmetic (float32 on a core with 256-bit FMAs:
-~40 ms to read the weights, ~3.5 ms a token) they pay only at a few rows: drafts off at 16 clients there served
-12% more tokens a second (docs/performance.md, session 53). Until the line is known (fewer than two distinct step
-sizes seen, or no verify step yet), drafts run as before: that is what measures them.
+the step's threshold. Each row knows its own q (buckets/speculation.py: its recent acceptance, draft by draft), so a
+row that repeats itself drafts where the others do not. Where a step is memory-bound (bf16 weights on a CPU with
+AVX512-BF16, or a one-stream step) b is small beside a and most drafts pay; where each token costs its full
+arithmetic (float32 on a core with 256-bit FMAs: ~40 ms to read the weights, ~3 ms a token) a 16-row step's
+threshold is ~0.55: only rows whose drafts are mostly accepted carry them. Session 53's drafts for every row lost 12%
+to none at 16 clients there; one acceptance for all rows (session 54) left most 8- and 16-row steps without drafts
+(docs/performance.md). Until the line is known (fewer than two distinct step sizes seen) the threshold is 0: drafts
+run as the rows' limits allow, and that is what measures them.
 """
 
 from __future__ import annotations
@@ -30,8 +33,6 @@ DECAY = 0.98
 # The fit is trusted once the steps it weighs spread this far in size (the weighted variance of n, tokens²):
 # steps of one size alone give no slope.
 MIN_SIZE_VARIANCE = 1.0
-# Acceptance before any verify step: the rule does not run until one has (`pays` is True meanwhile).
-PRIOR_ACCEPTANCE = 0.5
 
 
 @dataclass
@@ -43,11 +44,7 @@ class DraftCost:
     _nn: float = 0.0
     _t: float = 0.0
     _nt: float = 0.0
-    # decayed drafted and accepted tokens of verify steps
-    _drafted: float = 0.0
-    _accepted: float = 0.0
     steps: int = field(default=0)  # steps observed
-    verified_rows: int = field(default=0)  # verify results taken
 
     def __post_init__(self) -> None:
         if not 0.0 < self.decay < 1.0:
@@ -72,18 +69,6 @@ class DraftCost:
         self._nt = self._nt * d + n * seconds
         self.steps += 1
 
-    def verified(self, drafted: int, accepted: int) -> None:
-        """One row of a verify step carried `drafted` drafts, of which `accepted` were confirmed."""
-        if drafted <= 0:
-            return
-        self._drafted = self._drafted * self.decay + drafted
-        self._accepted = self._accepted * self.decay + min(max(accepted, 0), drafted)
-        self.verified_rows += 1
-
-    @property
-    def acceptance(self) -> float:
-        return self._accepted / self._drafted if self._drafted > 0 else PRIOR_ACCEPTANCE
-
     def line(self) -> tuple[float, float] | None:
         """(a, b): seconds a step of n tokens takes, a + b*n; None until the sizes seen spread enough."""
         if self._w <= 0.0:
@@ -96,14 +81,15 @@ class DraftCost:
         a = self._t / self._w - b * mean_n
         return a, b
 
-    def pays(self, tokens: int) -> bool:
-        """Whether drafts beside a step's `tokens` other tokens raise its tokens a second (the rule above).
-        True while the line or the acceptance is not yet measured, and where the line gives a token no cost."""
+    def threshold(self, tokens: int) -> float:
+        """The least chance of yielding a token at which a draft pays beside a step's `tokens` other tokens (the rule
+        above): b n / (a + b n). 0 (every draft pays) while the line is not known, and where it gives a token no
+        cost; 1 (none does) where the line gives the step no time."""
         fit = self.line()
-        if fit is None or self._drafted <= 0:
-            return True
+        if fit is None:
+            return 0.0
         a, b = fit
         if b <= 0.0:
-            return True
-        p = self.acceptance
-        return p * max(a + b * tokens, 0.0) > b * tokens
+            return 0.0
+        total = a + b * tokens
+        return min(1.0, b * tokens / total) if total > 0.0 else 1.0

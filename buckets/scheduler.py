@@ -25,8 +25,10 @@ by mixed steps (a prefill step starts at position 0); buckets/prefix_cache.py ha
 Speculative decoding (`speculative_tokens`, mixed steps only): a decoding row that speculates carries draft tokens
 (buckets/speculation.py) after its last token, in a mixed step (a decode step computes one token a row), and
 `update` then takes each row's list of tokens, which the engine verified. Beside prompts, the drafts take only
-what the prompts that can start leave of the step's budget, and a step carries drafts only where they pay for what
-they cost at its size (buckets/draft_cost.py, from the step times the engine reports through `observe`).
+what the prompts that can start leave of the step's budget, and a row carries a draft only where its chance of being
+accepted pays for what a token costs at the step's size (buckets/draft_cost.py, from the step times the engine
+reports through `observe`; each row's chance from its own verify results and, while it drafts nothing, from whether
+its draft would have held).
 """
 
 from __future__ import annotations
@@ -136,8 +138,8 @@ class Scheduler:
         self._last_was_prefill = False
         if decoding:
             decode = tuple(decoding[s] for s in sorted(decoding))
-            drafts = step_drafts(decode, self.speculative_tokens, self.table, fill=True) \
-                if self.draft_cost.pays(len(decode)) else ()
+            drafts = step_drafts(decode, self.speculative_tokens, self.table, fill=True,
+                                 threshold=self.draft_cost.threshold(len(decode)))
             if drafts:  # a verify step: every decoding row, the drafts after their last token
                 rows = len(decode) + sum(map(len, drafts))
                 return MixedStep(self.table.verify_for(rows), decode, (), drafts=drafts)
@@ -167,9 +169,11 @@ class Scheduler:
                 continue  # a chunk that does not end the prompt yields no token
             tokens = sampled[seq.request_id]
             drafted = drafts.get(id(seq), ())
-            if drafted and seq.ngrams is not None and isinstance(tokens, list):
-                seq.ngrams.verified(len(drafted), len(tokens) - 1, self.speculative_tokens)
-                self.draft_cost.verified(len(drafted), len(tokens) - 1)
+            if seq.ngrams is not None and self.speculative_tokens:
+                if drafted and isinstance(tokens, list):
+                    seq.ngrams.verified(len(drafted), len(tokens) - 1, self.speculative_tokens)
+                elif not drafted and prefilled is None:  # a decoding row without drafts: would its draft have held?
+                    seq.ngrams.observe(tokens[0] if isinstance(tokens, list) else tokens)
             for token in tokens if isinstance(tokens, list) else (tokens,):
                 if seq.advance(token, self.table.context_length):
                     self._release(seq)
@@ -231,9 +235,8 @@ class Scheduler:
         # Drafts (verify graphs: up to the mixed budget) take what the prompts leave of it: in a full step a draft
         # costs what a prompt token does, and a rejected one is work no request needed (prompt first).
         room = 0 if big else max(0, total - len(decode) - prompt)
-        if room and not self.draft_cost.pays(total - room):  # the step's tokens without drafts
-            room = 0
-        drafts = step_drafts(decode, self.speculative_tokens, self.table, room=room) if room else ()
+        drafts = step_drafts(decode, self.speculative_tokens, self.table, room=room,  # beside the step's other tokens
+                             threshold=self.draft_cost.threshold(total - room)) if room else ()
         rows = len(decode) + sum(map(len, drafts))  # the decoding rows' tokens
         total = trimmed(self.table, min(total, rows + prompt), rows)
         budget = total - rows

@@ -26,10 +26,11 @@ from typing import Any, TextIO
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, from any cwd
 
 
-def record(step: Any, t0: float, t1: float, active: int) -> dict[str, Any]:
-    """One step as a JSON-able dict (buckets.steps types, duck-typed by their fields)."""
+def record(step: Any, t0: float, t1: float, active: int, generated: int) -> dict[str, Any]:
+    """One step as a JSON-able dict (buckets.steps types, duck-typed by their fields); `generated`: the tokens it gave
+    its rows (a verify step's accepted drafts too)."""
     rec: dict[str, Any] = {"t0": t0, "t1": t1, "kind": type(step).__name__, "rows": len(step.sampling_seqs),
-                           "active": active}
+                           "active": active, "generated": generated}
     if hasattr(step, "pieces"):  # MixedStep
         rec.update(tokens=step.tokens, decode=len(step.decode), prompt=sum(p.num_tokens for p in step.pieces),
                    drafts=step.num_drafts)
@@ -47,12 +48,14 @@ def serve(trace: Path, serve_args: list[str]) -> int:
     run = engine_module.Engine._run
 
     def traced(self: Any, step: Any, prompts: dict[str, list[int]]) -> None:
+        before = sum(seq.num_generated for seq in step.sampling_seqs)
         t0 = time.monotonic()
         run(self, step, prompts)
         t1 = time.monotonic()
         with self._lock:
             active = len(self._active)
-        out.write(json.dumps(record(step, t0, t1, active)) + "\n")
+        generated = sum(seq.num_generated for seq in step.sampling_seqs) - before
+        out.write(json.dumps(record(step, t0, t1, active, generated)) + "\n")
         out.flush()
 
     engine_module.Engine._run = traced  # type: ignore[method-assign]
@@ -72,23 +75,24 @@ def summary(trace: Path, after: float, steps: bool) -> None:
         raise SystemExit(f"{trace}: no steps after {after} s")
     span = recs[-1]["t1"] - recs[0]["t0"]
     busy = sum(r["t1"] - r["t0"] for r in recs)
-    sampled = sum(r["rows"] for r in recs)
+    gave = sum(r.get("generated", r["rows"]) for r in recs)
     print(f"{len(recs)} steps over {span:.2f} s, engine busy {busy:.2f} s ({busy / span:.1%}), "
-          f"{sampled} tokens sampled ({sampled / span:.1f} a second)")
+          f"{gave} tokens generated ({gave / span:.1f} a second)")
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in recs:
         bucket = r.get("tokens", r.get("batch", ""))
         kind = "VerifyStep" if r.get("drafts") else r["kind"]  # a mixed step whose rows carry drafts
         groups[f"{kind} {bucket}"].append(r)
-    print(f"{'step':22s} {'count':>5s} {'rows':>6s} {'decode':>6s} {'drafts':>6s} {'prompt':>6s} {'ms p50':>7s} "
-          f"{'ms mean':>7s} {'seconds':>7s} {'share':>6s}")
+    print(f"{'step':22s} {'count':>5s} {'rows':>6s} {'decode':>6s} {'drafts':>6s} {'gave':>6s} {'prompt':>6s} "
+          f"{'ms p50':>7s} {'ms mean':>7s} {'seconds':>7s} {'share':>6s}")
     for name, rs in sorted(groups.items(), key=lambda kv: -sum(r["t1"] - r["t0"] for r in kv[1])):
         ms = [(r["t1"] - r["t0"]) * 1e3 for r in rs]
         decode = statistics.mean(r.get("decode", r["rows"]) for r in rs)
         prompt = statistics.mean(r.get("prompt", 0) for r in rs)
         drafts = statistics.mean(r.get("drafts", 0) for r in rs)
+        gave = statistics.mean(r.get("generated", r["rows"]) for r in rs)  # traces before the field: a token a row
         print(f"{name:22s} {len(rs):5d} {statistics.mean(r['rows'] for r in rs):6.1f} {decode:6.1f} {drafts:6.1f} "
-              f"{prompt:6.1f} "
+              f"{gave:6.1f} {prompt:6.1f} "
               f"{statistics.median(ms):7.1f} {statistics.mean(ms):7.1f} {sum(ms) / 1e3:7.2f} "
               f"{sum(ms) / 1e3 / span:6.1%}")
     if steps:

@@ -175,3 +175,39 @@ def test_the_scheduler_adapts_each_rows_drafts_to_what_it_accepted() -> None:
     assert a.ngrams is not None and b.ngrams is not None and (a.ngrams.limit(3), b.ngrams.limit(3)) == (5, 2)
     step = s.schedule()
     assert isinstance(step, MixedStep) and step.drafts[0] == (8, 9, 1, 2, 3)
+
+
+def test_a_rows_acceptance_counts_its_verify_results_and_the_drafts_it_would_have_carried() -> None:
+    index = NgramIndex([1, 2, 3, 1, 2])
+    assert index.acceptance == 0.5  # the prior: one accepted, one rejected
+    index.verified(3, 3, k=3)  # all accepted: three hits, no miss
+    assert index.acceptance == pytest.approx((0.7 + 3) / (0.7 + 3 + 0.7))
+    index.verified(3, 1, k=3)  # one accepted, then the rejected one
+    assert (index.hits, index.misses) == (pytest.approx(3.7 * 0.7 + 1), pytest.approx(0.7 * 0.7 + 1))
+    before = index.acceptance
+    index.observe(3)  # would have drafted 3 after "1 2": held
+    index.append(3)
+    assert index.acceptance > before
+    before = index.acceptance
+    index.observe(9)  # would have drafted 1 after "2 3": did not hold
+    index.append(9)
+    assert index.acceptance < before
+    unmatched = NgramIndex([4, 5])
+    unmatched.observe(6)  # no draft to offer: nothing learned
+    assert unmatched.acceptance == 0.5
+
+
+def test_a_row_carries_the_drafts_whose_chance_is_above_the_threshold() -> None:
+    index = NgramIndex([1, 2, 3])  # acceptance 0.5: draft i yields a token with chance 0.5**i
+    assert [index.worth(t, 3) for t in (0.0, 0.2, 0.3, 0.49, 0.5, 0.9)] == [3, 2, 1, 1, 0, 0]
+    assert index.worth(0.001, 8) == 8 and index.worth(0.2, 0) == 0
+    index.hits, index.misses = 1.0, 0.0  # every draft accepted so far
+    assert index.worth(0.99, 5) == 5
+    rows = [Sequence(f"r{i}", 6, 10, ngrams=NgramIndex([1, 2, 3, 1, 2, 3])) for i in range(2)]
+    for r in rows:
+        r.prefilled, r.position = 6, 6
+    assert rows[0].ngrams is not None
+    rows[0].ngrams.hits = 9.0  # acceptance 0.9
+    assert plan_drafts(tuple(rows), 3, room=8, context_length=128, threshold=0.6) == ((1, 2, 3), ())
+    assert plan_drafts(tuple(rows), 3, room=8, context_length=128, threshold=0.4) == ((1, 2, 3), (1,))
+    assert plan_drafts(tuple(rows), 3, room=8, context_length=128, threshold=0.95) == ()

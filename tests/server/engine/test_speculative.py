@@ -59,9 +59,8 @@ def test_greedy_rows_with_drafts_give_the_reference_tokens(tmp_path, reference_m
             logprobs = engine.submit(prompts[1], SamplingParams(max_tokens=12, logprobs=2, **GREEDY))
             outs = await asyncio.gather(*(collect(h) for h in [*handles, sampled, logprobs]))
             assert engine.model.accountant.count("serving") == 0  # nothing compiled after warm-up
-            # the engine reported its steps' times and the verify results (buckets/draft_cost.py)
-            cost = engine._scheduler.draft_cost
-            assert cost.steps > 0 and cost.verified_rows > 0
+            # the engine reported its steps' times (buckets/draft_cost.py)
+            assert engine._scheduler.draft_cost.steps > 0
             return [t for t, _ in outs], [r for _, r in outs], [len(t) for t, _ in outs]
         finally:
             engine.stop()
