@@ -128,7 +128,7 @@ def _load() -> None:
     """Build (once per machine and source) and load the kernels into _state; on any failure (no compiler, a
     read-only cache, a failed build) record None, log it once, and let the callers use SDPA and oneDNN."""
     _state.update(lib=None, parallel=False, matmul=False, amx=False, f32=False, f32_rows=0, f32_mkl_rows=0, piece_f32=False,
-                  shortest_run=0)
+                  shortest_run=0, shortest_run_f32=0)
     try:
         cc = _compiler()
         if cc is None:
@@ -182,7 +182,8 @@ def _load() -> None:
                   f32_mkl_rows=int(lib.bucketserve_f32_mkl_rows()),
                   piece_f32=bool(lib.bucketserve_small_matmul_supported() or lib.bucketserve_piece_f32x8_supported()),
                   decode_bf16=bool(lib.bucketserve_decode_fast(0)), decode_f32=bool(lib.bucketserve_decode_fast(1)),
-                  shortest_run=2 if amx else 3 if lib.bucketserve_run_vec_supported() else 0)
+                  shortest_run=2 if amx else 3 if lib.bucketserve_run_vec_supported() else 0,
+                  shortest_run_f32=2 if lib.bucketserve_run_f32x8_supported() else 0)
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
              _state["matmul"], _state["amx"])
 
@@ -237,6 +238,15 @@ def shortest_run() -> int:
     (run_vec.c: a run of 2 costs about what two decoding rows do, one of 4 ~0.65x; docs/performance.md). Call after
     available() returned True."""
     shortest = _state["shortest_run"]
+    assert isinstance(shortest, int)
+    return shortest
+
+
+def shortest_run_f32() -> int:
+    """The same for float32 runs (0: none): 2 on AVX2 builds without AVX-512 (decode_avx2.c, whose decode kernel a
+    run's queries share, so each token's output has the bits of its decoding row). Call after available() returned
+    True."""
+    shortest = _state["shortest_run_f32"]
     assert isinstance(shortest, int)
     return shortest
 

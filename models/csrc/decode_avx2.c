@@ -28,10 +28,15 @@ static inline void prefetch_row8(const float *base, int64_t p, int64_t D) {
 }
 
 /* One (row, KV head): G queries qb [G, D] over n positions of kb, vb [n, D] -> ob [G, D]; sc: [G, n] scratch.
- * Inlined with constant G and D where the caller knows them (SmolLM2: 3 and 64), so the D loops unroll. */
+ * Inlined with constant G and D where the caller knows them (SmolLM2: 3 and 64), so the D loops unroll. `run` >= 1:
+ * the queries are a run's tokens, `run` query heads each (g = token * run + head), token t at position n - T + t of
+ * T = G / run tokens, seeing positions [0, n - T + t]; the scores are computed once for the longest and each query's
+ * softmax and sum over V stop at its own extent, as that token's decoding row would (the same bits). 0: every query
+ * sees the n positions. */
 static inline __attribute__((always_inline)) void head8(const float *qb, const float *kb, const float *vb, float *ob,
-                                                        int64_t n, const int64_t G, const int64_t D, float scale,
-                                                        float *sc) {
+                                                        const int64_t n_all, const int64_t G, const int64_t D,
+                                                        float scale, float *sc, const int64_t run) {
+    const int64_t n = n_all;
     const int64_t nc = D / 8;
     for (int64_t p = 0; p < AHEAD && p < n; p++) {
         prefetch_row8(kb, p, D);
@@ -68,7 +73,8 @@ static inline __attribute__((always_inline)) void head8(const float *qb, const f
     }
     /* softmax weights (unnormalized: the sums divide the outputs), then each query head's sum over V */
     for (int64_t g = 0; g < G; g++) {
-        float *s = sc + g * n;
+        float *s = sc + g * n_all;
+        const int64_t n = run ? n_all - G / run + 1 + g / run : n_all; /* this query's extent */
         float m = s[0];
         int64_t i = 0;
         if (n >= 8) {
@@ -138,9 +144,9 @@ int bucketserve_decode_attention_f32x8(const float *q, const float *k, const flo
             const float *qb = q + rh * G * D;
             float *ob = out + rh * G * D;
             if (G == 3 && D == 64) /* SmolLM2 and its relatives */
-                head8(qb, k + base, v + base, ob, ext[r], 3, 64, scale, sc);
+                head8(qb, k + base, v + base, ob, ext[r], 3, 64, scale, sc, 0);
             else
-                head8(qb, k + base, v + base, ob, ext[r], G, D, scale, sc);
+                head8(qb, k + base, v + base, ob, ext[r], G, D, scale, sc, 0);
         }
         free(sc);
     }
@@ -148,6 +154,43 @@ int bucketserve_decode_attention_f32x8(const float *q, const float *k, const flo
 }
 
 int bucketserve_decode_f32x8_supported(void) { return 1; }
+
+/* A run: n tokens of one slot at positions [start, start + n) (a verify step's row and its drafts), token t seeing
+ * positions [0, start + t]; the arguments of bucketserve_run_attention (run_attention.c: q token t, query head h at
+ * q + t * qt + h * qh, out alike; K/V position p of KV head g at k + g * kvh + p * kvp). Each KV head's n x G queries
+ * go through one head8 call, so the slot's K/V is read once for the run rather than once a token (as decoding rows),
+ * and each query's output has the bits its decoding row would. Why: a float32 verify step's drafts read their row's
+ * K/V again as decoding rows, ~1.9 ms a token at 500 positions (30 layers, 12 GB/s), which made a draft cost what a
+ * row does (docs/performance.md, session 58). Returns -1 for shapes it does not take (kvp != D, n x G > MAX_RUN_Q). */
+#define MAX_RUN_Q 64
+int bucketserve_run_attention_f32x8(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start,
+                                    int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh, int64_t ot, int64_t oh,
+                                    int64_t kvh, int64_t kvp, float scale, int threads, const void *next_k,
+                                    const void *next_v, int64_t next_rows, int warm) {
+    (void)next_k, (void)next_v, (void)next_rows, (void)warm, (void)threads;
+    if (n < 1 || start < 0 || Hkv < 1 || H % Hkv || D % 8 || D < 8 || D > 256 || kvp != D) return -1;
+    const int64_t G = H / Hkv, Q = n * G, L = start + n;
+    if (Q > MAX_RUN_Q) return -1;
+    float *qb = malloc((size_t)(2 * Q * D + Q * L) * sizeof(float));
+    if (qb == NULL) return -1;
+    float *ob = qb + Q * D, *sc = ob + Q * D;
+    const float *qf = q, *kf = k, *vf = v;
+    float *of = out;
+    for (int64_t h = 0; h < Hkv; h++) {
+        for (int64_t t = 0; t < n; t++) /* the run's queries of this KV head, token by token */
+            for (int64_t g = 0; g < G; g++) memcpy(qb + (t * G + g) * D, qf + t * qt + (h * G + g) * qh, D * 4);
+        if (D == 64)
+            head8(qb, kf + h * kvh, vf + h * kvh, ob, L, Q, 64, scale, sc, G);
+        else
+            head8(qb, kf + h * kvh, vf + h * kvh, ob, L, Q, D, scale, sc, G);
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t g = 0; g < G; g++) memcpy(of + t * ot + (h * G + g) * oh, ob + (t * G + g) * D, D * 4);
+    }
+    free(qb);
+    return 0;
+}
+
+int bucketserve_run_f32x8_supported(void) { return 1; }
 
 #else
 
@@ -161,5 +204,17 @@ int bucketserve_decode_attention_f32x8(const float *q, const float *k, const flo
 }
 
 int bucketserve_decode_f32x8_supported(void) { return 0; }
+
+int bucketserve_run_attention_f32x8(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t start,
+                                    int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh, int64_t ot, int64_t oh,
+                                    int64_t kvh, int64_t kvp, float scale, int threads, const void *next_k,
+                                    const void *next_v, int64_t next_rows, int warm) {
+    (void)q, (void)k, (void)v, (void)out, (void)n, (void)start, (void)H, (void)Hkv, (void)D, (void)qt, (void)qh;
+    (void)ot, (void)oh, (void)kvh, (void)kvp, (void)scale, (void)threads, (void)next_k, (void)next_v, (void)next_rows;
+    (void)warm;
+    return -1;
+}
+
+int bucketserve_run_f32x8_supported(void) { return 0; }
 
 #endif

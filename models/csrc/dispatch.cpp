@@ -88,6 +88,8 @@ RmsFn rms_fn = nullptr;
 PieceFn piece_fn = nullptr;
 RunFn run_fn = nullptr;
 int64_t run_min = 0;  // the shortest run run_fn takes (native_library.shortest_run)
+RunFn run_f32_fn = nullptr;  // fp32 runs (decode_avx2.c; native_library.shortest_run_f32)
+int64_t run_f32_min = 0;
 int64_t f32_mkl_rows = 0;  // float32 steps of this many rows or more take MKL's matmul (native_library.f32_mkl_rows)
 DecodeFn decode_fn = nullptr;
 bool tiles = false;  // the process may use AMX tiles (native_library.has("amx")): bf16 prompt pieces take them
@@ -405,7 +407,8 @@ struct Call {
 // slot `spare`, left out; runs of one slot up to SHORT_RUN tokens go as decoding rows). `runs` (0: none): runs of
 // runs..SHORT_RUN tokens (a verify step's row and its drafts) are calls of their own, which mixed_kernel hands to
 // run_fn (bf16: run_attention.c on AMX tiles from 2 tokens, 16 runs of 4 at ~300 positions 585 us a layer against
-// 1073 as 64 decoding rows; run_vec.c from 3 tokens, native_library.shortest_run).
+// 1073 as 64 decoding rows; run_vec.c from 3 tokens, native_library.shortest_run), fp32 ones to run_f32_fn
+// (decode_avx2.c from 2 tokens: the slot's K/V read once a run, the bits of its decoding rows).
 constexpr int64_t SHORT_RUN = 8;
 std::vector<Call> mixed_plan(const int64_t *pairs, int64_t n, int64_t spare, int64_t runs) {
     std::vector<Call> calls;
@@ -513,8 +516,10 @@ at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at
              *v = static_cast<char *>(value.data_ptr());
         const int64_t qh = query.stride(1), qt = query.stride(2), oh = out.stride(1), ot = out.stride(2);
         bool ok = true;
-        const bool runs = !f32 && run_fn != nullptr;
-        const std::vector<Call> calls = mixed_plan(meta.data_ptr<int64_t>(), tokens, spare, runs ? run_min : 0);
+        const RunFn run = f32 ? run_f32_fn : run_fn;
+        const bool runs = run != nullptr;
+        const std::vector<Call> calls =
+            mixed_plan(meta.data_ptr<int64_t>(), tokens, spare, runs ? (f32 ? run_f32_min : run_min) : 0);
         const auto is_run = [&](size_t i) {  // a short run of one slot (run_fn), its slot checked
             const Call &c = calls[i];
             return runs && !c.decoding && c.last - c.first <= SHORT_RUN && c.slots[0] >= 0 && c.slots[0] < spare &&
@@ -526,7 +531,7 @@ at::Tensor mixed_kernel(const at::Tensor &query, const at::Tensor &key, const at
             if (is_run(i)) {  // the next run's slot is prefetched during this one's last head
                 const Call *next = i + 1 < calls.size() && is_run(i + 1) ? &calls[i + 1] : nullptr;
                 const int64_t slot = c.slots[0], ns = next ? next->slots[0] : 0;
-                ok = run_fn(q + c.first * qt * es, k + slot * key.stride(0) * es, v + slot * key.stride(0) * es,
+                ok = run(q + c.first * qt * es, k + slot * key.stride(0) * es, v + slot * key.stride(0) * es,
                             o + c.first * ot * es, n, c.ext[0], heads, kv_heads, dim, qt, qh, ot, oh, key.stride(1),
                             key.stride(2), static_cast<float>(scale), t, next ? k + ns * key.stride(0) * es : nullptr,
                             next ? v + ns * key.stride(0) * es : nullptr, next ? next->ext[0] + next->last - next->first : 0,
@@ -593,8 +598,9 @@ at::Tensor causal_kernel(const at::Tensor &query, const at::Tensor &key, const a
 // run_vec.c; by address), the shortest run the run kernel takes, how they were built, whether the process may use AMX
 // tiles, and where the switch lives.
 void bind(int64_t linear_address, int64_t gated_address, int64_t attention_address, int64_t rms_address,
-          int64_t piece_address, int64_t decode_address, int64_t run_address, int64_t shortest_run, bool openmp,
-          bool amx, int64_t f32_mkl, int64_t switch_address) {
+          int64_t piece_address, int64_t decode_address, int64_t run_address, int64_t shortest_run,
+          int64_t run_f32_address, int64_t shortest_run_f32, bool openmp, bool amx, int64_t f32_mkl,
+          int64_t switch_address) {
     f32_mkl_rows = f32_mkl;
     linear_fn = reinterpret_cast<LinearFn>(linear_address);
     gated_fn = reinterpret_cast<GatedFn>(gated_address);
@@ -604,6 +610,8 @@ void bind(int64_t linear_address, int64_t gated_address, int64_t attention_addre
     decode_fn = reinterpret_cast<DecodeFn>(decode_address);
     run_fn = run_address ? reinterpret_cast<RunFn>(run_address) : nullptr;
     run_min = shortest_run;
+    run_f32_fn = run_f32_address ? reinterpret_cast<RunFn>(run_f32_address) : nullptr;
+    run_f32_min = shortest_run_f32;
     tiles = amx;
     parallel = openmp;
     switched_on = reinterpret_cast<const volatile int *>(switch_address);
@@ -668,7 +676,7 @@ bool native_on() { return switched_on != nullptr && *switched_on; }
 
 TORCH_LIBRARY_FRAGMENT(bucketserve_dispatch, m) {
     m.def("bind(int linear, int gated, int attention, int rms, int piece, int decode, int run, int shortest_run, "
-          "bool openmp, bool amx, int f32_mkl_rows, int switch) -> ()",
+          "int run_f32, int shortest_run_f32, bool openmp, bool amx, int f32_mkl_rows, int switch) -> ()",
           &bind);
     m.def("remember(int address, int n, int k, ScalarType dtype, Tensor onednn, int one_kind, int one_weight, "
           "int one_scales, int few_kind, int few_weight, int few_scales, int few_max) -> ()",

@@ -50,7 +50,26 @@ def test_the_threshold_is_a_tokens_share_of_the_step() -> None:
     assert fp32.threshold(16) == pytest.approx(0.056 / 0.096)
     assert fp32.threshold(4) < fp32.threshold(8) < fp32.threshold(16) < 1.0
     assert _fed(0.035, 0.0006).threshold(16) == pytest.approx(0.0096 / 0.0446)
-    assert _fed(0.040, 0.0).threshold(1000) == 0.0  # a token costs nothing more: every draft pays
+    assert _fed(0.040, 0.0).threshold(1000) == pytest.approx(0.0, abs=1e-9)  # a token costs nothing: all pay
+
+
+def _verify(rows: int, drafts: int) -> MixedStep:
+    """A verify step of `rows` decoding rows carrying `drafts` drafts in all (the first row carries them)."""
+    seqs = tuple(Sequence(f"r{i}", 4, 8, slot=i, position=4) for i in range(rows))
+    return MixedStep(64, seqs, (), drafts=(tuple(range(drafts)),) + ((),) * (rows - 1))
+
+
+def test_drafts_are_priced_apart_from_rows_once_they_vary_apart() -> None:
+    """A draft's run reads its row's K/V already, so it costs less than a row: verify steps of varying drafts beside
+    decode steps give the draft its own price, and the threshold asks less of a draft for it."""
+    cost = _fed(0.030, 0.005)
+    assert cost.fit() == pytest.approx((0.030, 0.005, 0.005))  # no drafts seen: a draft is priced as a row
+    rows_only = cost.threshold(16)
+    for _ in range(10):
+        for rows, drafts in ((2, 4), (2, 12), (4, 8), (1, 20)):
+            cost.observe(_verify(rows, drafts), 0.030 + 0.005 * rows + 0.003 * drafts)
+    assert cost.fit() == pytest.approx((0.030, 0.005, 0.003))
+    assert cost.threshold(16) == pytest.approx(0.003 * 16 / (0.030 + 0.005 * 16)) and cost.threshold(16) < rows_only
 
 
 def test_recent_steps_weigh_more() -> None:

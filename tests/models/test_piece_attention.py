@@ -217,3 +217,35 @@ def test_verify_step_runs_equal_float32_attention() -> None:
         want = _reference(q[0, :, t : t + 1], k[slot], v[slot], pos, dim ** -0.5)
         torch.testing.assert_close(got[0, :, t : t + 1].float(), want, rtol=2e-2, atol=2e-2, msg=f"token {t}")
     assert not got[0, :, -3:].any()
+
+
+@pytest.mark.skipif(not native.available(), reason="no native kernels (no C compiler)")
+def test_float32_verify_runs_give_their_decoding_rows_bits() -> None:
+    """fp32 runs (a row and its drafts: decode_avx2.c's run entry, on AVX2 builds without AVX-512) read the slot's K/V
+    once for the run; every token's output is the bits of the same token as a decoding row (the same tokens with the
+    runs broken up, so each goes through the decode kernel alone), and fp32 attention up to its own position."""
+    from models import native_library
+    from models.native_dispatch import install
+
+    assert install()
+    torch.manual_seed(7)
+    kv, groups, dim, context, slots = 3, 3, 64, 320, 4  # slot 4: the spare slot
+    k, v = torch.randn(slots + 1, kv, context, dim), torch.randn(slots + 1, kv, context, dim)
+    runs = [[(0, p) for p in range(200, 204)], [(1, 63), (1, 64)], [(2, 17)], [(3, p) for p in range(290, 298)]]
+    pairs = [pair for run in runs for pair in run]
+    q = torch.randn(1, len(pairs), kv * groups, dim)
+    scale = dim ** -0.5
+
+    def attend(order: list[int]) -> torch.Tensor:
+        meta = torch.tensor([pairs[i] for i in order], dtype=torch.long).view(1, 1, len(order), 2)
+        out = torch.ops.bucketserve.mixed_attention(q[:, order].transpose(1, 2), k, v, meta, scale)
+        return out[0].transpose(0, 1)[torch.tensor(order).argsort()]  # [T, H, D] in pairs' order
+
+    together = attend(list(range(len(pairs))))
+    # the same tokens latest position first: no token follows its slot's position before it, so no run forms
+    apart = attend(sorted(range(len(pairs)), key=lambda i: -pairs[i][1]))
+    assert torch.equal(together, apart)
+    for t, (slot, pos) in enumerate(pairs):
+        want = _reference(q.transpose(1, 2)[0, :, t : t + 1], k[slot], v[slot], pos, scale)
+        torch.testing.assert_close(together[t : t + 1].transpose(0, 1), want, rtol=1e-5, atol=1e-5)
+    assert native_library.shortest_run_f32() in (0, 2)
