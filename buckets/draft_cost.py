@@ -65,12 +65,6 @@ class DraftCost:
         self._sums = [x * self.decay + y for x, y in zip(self._sums, (1.0, r, d, r * r, r * d, d * d, t, r * t, d * t))]
         self.steps += 1
 
-    def line(self) -> tuple[float, float] | None:
-        """(a, b): seconds a step of n tokens (rows and drafts alike) takes, a + b*n; None until the sizes seen
-        spread enough."""
-        fit = self.fit()
-        return None if fit is None else (fit[0], fit[1])
-
     def fit(self) -> tuple[float, float, float] | None:
         """(a, b, c): seconds a step of r rows and d drafts takes, a + b*r + c*d (c = b until the drafts seen vary
         apart from the rows); None until the sizes seen spread enough."""

@@ -40,8 +40,8 @@ SHORT_MATCH_DRAFTS = 1
 FILL_DRAFTS_MOST = 8
 # A row's acceptance: decayed counts of drafts accepted and of drafts rejected (at most one a step: a verify step stops
 # at its first wrong draft), each weighing this factor less at every later result, so a row that falls into a loop
-# (or out of one) is seen within a few steps. Replayed on `make bench`'s greedy fp32 outputs (docs/performance.md,
-# session 58), 0.7 left fewer drafts rejected than 0.9 for as many accepted.
+# (or out of one) is seen within a few steps. Replayed on `make bench`'s greedy fp32 outputs at a 0.4 threshold
+# (docs/performance.md, session 58), 0.7 had 754 drafts accepted against 0.9's 626, at the same 70% of those drafted.
 ROW_DECAY = 0.7
 # A new row's acceptance: one accepted and one rejected draft (p = 0.5) before anything is seen.
 PRIOR_HITS = 1.0

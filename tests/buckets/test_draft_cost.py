@@ -29,17 +29,15 @@ def _fed(a: float, b: float, sizes: tuple[int, ...] = (1, 2, 4)) -> DraftCost:
 
 
 def test_the_line_is_fitted_from_the_steps_seen() -> None:
-    line = _fed(0.040, 0.0035).line()
-    assert line is not None
-    assert line[0] == pytest.approx(0.040) and line[1] == pytest.approx(0.0035)
+    assert _fed(0.040, 0.0035).fit() == pytest.approx((0.040, 0.0035, 0.0035))  # no drafts seen: c = b
 
 
 def test_one_size_alone_gives_no_line_and_every_draft_runs_until_measured() -> None:
     cost = DraftCost()
-    assert cost.line() is None and cost.threshold(64) == 0.0  # nothing seen
+    assert cost.fit() is None and cost.threshold(64) == 0.0  # nothing seen
     for _ in range(20):
         cost.observe(_decode(4), 0.08)
-    assert cost.line() is None and cost.threshold(64) == 0.0  # no slope from steps of one size
+    assert cost.fit() is None and cost.threshold(64) == 0.0  # no slope from steps of one size
 
 
 def test_the_threshold_is_a_tokens_share_of_the_step() -> None:
@@ -78,8 +76,8 @@ def test_recent_steps_weigh_more() -> None:
     for _ in range(300):
         for rows in (1, 2, 4):
             cost.observe(_decode(rows), 0.040 + 0.004 * rows)
-    line = cost.line()
-    assert line is not None and line[1] == pytest.approx(0.004, rel=1e-3)
+    fit = cost.fit()
+    assert fit is not None and fit[1] == pytest.approx(0.004, rel=1e-3)
 
 
 def test_only_steps_of_decoding_rows_are_observed() -> None:
