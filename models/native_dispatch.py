@@ -109,7 +109,7 @@ def install() -> bool:
         if native_library.shortest_run():
             runs = lib.bucketserve_run_attention if native_library.has("amx") else lib.bucketserve_run_attention_vec
             run = ctypes.cast(runs, ctypes.c_void_p).value or 0
-        run_f32 = ctypes.cast(lib.bucketserve_run_attention_f32x8, ctypes.c_void_p).value or 0 \
+        run_f32 = (ctypes.cast(lib.bucketserve_run_attention_f32x8, ctypes.c_void_p).value or 0) \
             if native_library.shortest_run_f32() else 0
         ops = torch.ops.bucketserve_dispatch
         ops.bind(address, gated, attention, rms, piece, decode, run, native_library.shortest_run(), run_f32,

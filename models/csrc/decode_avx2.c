@@ -167,16 +167,23 @@ int bucketserve_run_attention_f32x8(const void *q, const void *k, const void *v,
                                     int64_t H, int64_t Hkv, int64_t D, int64_t qt, int64_t qh, int64_t ot, int64_t oh,
                                     int64_t kvh, int64_t kvp, float scale, int threads, const void *next_k,
                                     const void *next_v, int64_t next_rows, int warm) {
-    (void)next_k, (void)next_v, (void)next_rows, (void)warm, (void)threads;
+    (void)next_k, (void)next_v, (void)next_rows, (void)warm;
     if (n < 1 || start < 0 || Hkv < 1 || H % Hkv || D % 8 || D < 8 || D > 256 || kvp != D) return -1;
     const int64_t G = H / Hkv, Q = n * G, L = start + n;
     if (Q > MAX_RUN_Q) return -1;
-    float *qb = malloc((size_t)(2 * Q * D + Q * L) * sizeof(float));
-    if (qb == NULL) return -1;
-    float *ob = qb + Q * D, *sc = ob + Q * D;
     const float *qf = q, *kf = k, *vf = v;
     float *of = out;
+    int failed = 0;
+    /* a KV head a thread, as the decode entry splits its (row, KV head) pairs */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t h = 0; h < Hkv; h++) {
+        float *qb = malloc((size_t)(2 * Q * D + Q * L) * sizeof(float));
+        if (qb == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *ob = qb + Q * D, *sc = ob + Q * D;
         for (int64_t t = 0; t < n; t++) /* the run's queries of this KV head, token by token */
             for (int64_t g = 0; g < G; g++) memcpy(qb + (t * G + g) * D, qf + t * qt + (h * G + g) * qh, D * 4);
         if (D == 64)
@@ -185,9 +192,9 @@ int bucketserve_run_attention_f32x8(const void *q, const void *k, const void *v,
             head8(qb, kf + h * kvh, vf + h * kvh, ob, L, Q, D, scale, sc, G);
         for (int64_t t = 0; t < n; t++)
             for (int64_t g = 0; g < G; g++) memcpy(of + t * ot + (h * G + g) * oh, ob + (t * G + g) * D, D * 4);
+        free(qb);
     }
-    free(qb);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 int bucketserve_run_f32x8_supported(void) { return 1; }
