@@ -47,7 +47,8 @@ float32 (its decoder layers run fused all the same: models/fused_layer.py).
 Memory: the packed copy is a second copy of every linear weight (270 MB for SmolLM2-135M in bf16, 540 in fp32, none
 in fp32 on AVX2 builds, whose steps never read it: `onednn_unread`), the
 tile copy a third (and the lm_head's: 57 MB more in bf16 for SmolLM2's tied embeddings, 113 in fp32); the int8
-copy, where it replaces the AMX one, half of the bf16 one. The runner asks for the copies only where memory holds
+copy, where it replaces the AMX one, half of the bf16 one; a fp32 lm_head's screen copy (models/greedy_head.py) a
+quarter of its weight (28 MB for SmolLM2). The runner asks for the copies only where memory holds
 them (models/module_swaps.py): where it is short the tile copy is left out first, then oneDNN's.
 """
 
@@ -61,12 +62,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import huge_pages, native, native_dispatch
+from models import greedy_head, huge_pages, native, native_dispatch
 from models.compile import QUANTIZE_MODES
 from models.hardware import MEMORY_RESERVE, available_memory
 from models.native_matmul import (
     AMX,
     AMX_MAX_ROWS,
+    GREEDY_HEAD_F32,
     ONE_ROW_F32,
     SMALL,
     SMALL_MATMUL_STEP_ROWS,
@@ -96,20 +98,26 @@ class Packed(NamedTuple):
     one: Kernel | None  # what a one-row step reads (native_matmul.packed_linear), or None: oneDNN
     few: Kernel | None  # what steps of 2..few_max rows read, or None: oneDNN
     few_max: int
+    # a fp32 lm_head's int8 screen copy (models/greedy_head.py) and the plain weight whose address it holds (kept
+    # alive with it), or None
+    screen: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def kernel(self, rows: int) -> Kernel | None:
         """The native kernel for a step of `rows` rows, or None: oneDNN (chosen once, at packing)."""
         return self.one if rows == 1 else self.few if 1 < rows <= self.few_max else None
 
 
-def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too: bool = True) -> Packed:
+def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too: bool = True, head: bool = False
+            ) -> Packed:
     """The copies of `weight` (oneDNN's, and the tile or int8 tile copy) and which kernel each step size reads:
     int8 (1-128 rows) where quantized; with AMX the vector matmul for one row and the AMX tiles for 2-128; without,
     the vector matmul on the tile copy for every step size (the small matmul for 1-2 where there is no tile copy);
     float32: the fp32 vector matmul on its fp32 tile copy for 1 to tiled_f32_rows() rows (32 with AVX-512, 128 with
     AVX2 only; with AMX, or where there is no tile copy,
     the fp32 one-row matmul on the plain weight for one).
-    Without `tiles_too` (memory is short) no tile copy: the kernels that read the plain weight, else oneDNN."""
+    Without `tiles_too` (memory is short) no tile copy: the kernels that read the plain weight, else oneDNN.
+    `head`: the model's lm_head; in float32, where its steps read the fp32 tile copy, they read it through the greedy
+    head (models/greedy_head.py), which computes the full logits unless a step asks for its maxima alone."""
     if weight.dtype == torch.float32:
         f32_tiles = f32_tile_pack(weight) if tiles_too else None
         one: Kernel | None = (ONE_ROW_F32, weight.data_ptr(), 0) if one_row_f32_takes(weight) else None
@@ -119,6 +127,11 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too
             # plain weight's); on the Intel Xeon with AMX the plain weight's 16 rows at a time (the step's 211
             # weights 40.5-41.5 ms against 43.2-44.4). Told apart by AMX, the one difference the kernels see.
             first = one if one is not None and amx_available() else vector32
+            screen = greedy_head.screen_pack(weight) if head else None
+            if screen is not None:  # the same sums as vector32's, and each row's maximum alone when a step asks
+                greedy: Kernel = (GREEDY_HEAD_F32, f32_tiles.data_ptr(), screen.data_ptr())
+                return Packed(weight.shape, weight.dtype, onednn, f32_tiles, None,
+                              greedy if first is vector32 else first, greedy, tiled_f32_rows(), (screen, weight))
             return Packed(weight.shape, weight.dtype, onednn, f32_tiles, None, first, vector32, tiled_f32_rows())
         return Packed(weight.shape, weight.dtype, onednn, None, None, one, None, 1)
     q8 = int8_pack(weight) if quantize == "int8" else None
@@ -251,6 +264,8 @@ def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int
                          "matmul converts the int8 weights for bf16 products")
     weights: set[int] = set()
     made: list[int] = []  # weights packed by this call
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     for module in model.modules():
         if type(module) is nn.Linear and supported(module.weight.dtype, module.weight.device):
             weight = module.weight.detach()
@@ -259,7 +274,7 @@ def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int
                 entry = _PACKED.get(key)
                 if entry is None or (quantize == "int8") != (entry.int8 is not None):
                     onednn = _onednn_copy(weight, tiles) if entry is None else entry.onednn
-                    _PACKED[key] = packed = _packed(weight, onednn, quantize, tiles)
+                    _PACKED[key] = packed = _packed(weight, onednn, quantize, tiles, head=module is head)
                     _mirror(key, packed)
                     made.append(key)
                     if entry is None:

@@ -239,8 +239,11 @@ class Engine:
 
     def _run(self, step: Step, prompts: dict[str, list[int]]) -> None:
         t0 = time.perf_counter()
+        with self._lock:  # whether the step's logits serve only greedy tokens (models/greedy_head.py)
+            maxima = all(a is None or a.sampler.params.takes_drafts
+                         for a in map(self._active.get, (seq.request_id for seq in step.sampling_seqs)))
         try:
-            logits = self.model.run_step(step, prompts.__getitem__)
+            logits = self.model.run_step(step, prompts.__getitem__, maxima=maxima)
         except MeshError:
             raise  # the ranks are out of step: the engine cannot go on
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others

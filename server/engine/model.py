@@ -20,6 +20,7 @@ from buckets.scheduler import ChunkStep, MixedStep, PrefillStep, Sequence, Step
 from models.cache_layout import full_attention_only
 from models.compile import CompileAccountant, CompileRecord, CompileSettings, cache_key, prewarm_inductor
 from models.graph_builder import BuildSpec, ProcessBuilder, builders_that_fit
+from models.greedy_head import maxima_only
 from models.hardware import resolve_compile_workers, resolve_dtype, resolve_num_threads
 from models.loading import cache_root, eos_token_ids, load_model, load_tokenizer, max_positions, model_display_name
 from models.mesh import MeshSpec
@@ -182,9 +183,15 @@ class EngineModel:
             parts["tensor_parallel"] = [self.mesh_spec.tp_size, self.mesh_spec.rank]
         return os.path.join(root, cache_key(parts))
 
-    def run_step(self, step: Step, prompt_of: Callable[[str], list[int]]) -> StepLogits:
+    def run_step(self, step: Step, prompt_of: Callable[[str], list[int]], maxima: bool = False) -> StepLogits:
         """Runs the graph for one scheduler step. The logits stay where the graph left them (the sampling
-        step reads them there); `rows` says which row belongs to each of step.sampling_seqs."""
+        step reads them there); `rows` says which row belongs to each of step.sampling_seqs. `maxima`: the step's
+        tokens are each row's maximum and nothing else reads its logits (every sampling row greedy, without
+        logprobs or penalties), so a float32 head may give each row its maximum alone (models/greedy_head.py)."""
+        with maxima_only(maxima):
+            return self._run_step(step, prompt_of)
+
+    def _run_step(self, step: Step, prompt_of: Callable[[str], list[int]]) -> StepLogits:
         assert self.runner is not None
         t0 = time.perf_counter()
         if isinstance(step, PrefillStep):

@@ -237,10 +237,10 @@ def test_client_abort_is_counted(live: Served, monkeypatch: pytest.MonkeyPatch) 
     gate = threading.Event()
     run_step = live.engine.model.run_step
 
-    def gated(step: Any, prompt_of: Any) -> Any:
+    def gated(step: Any, prompt_of: Any, **kwargs: Any) -> Any:
         if isinstance(step, DecodeStep):
             gate.wait(30)
-        return run_step(step, prompt_of)
+        return run_step(step, prompt_of, **kwargs)
 
     monkeypatch.setattr(live.engine.model, "run_step", gated)
     before = live.scrape()

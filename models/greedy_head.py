@@ -1,0 +1,74 @@
+"""The float32 lm_head of greedy steps (models/csrc/greedy_head.c): while a step wants only each row's maximum from
+its logits, the head finds it exactly from an int8 copy of the weight and the fp32 weight of a few candidates,
+instead of reading the whole fp32 weight.
+
+Why: below ~12 rows a float32 step is bound by reading its weights, and SmolLM2's 49152 x 576 head is 113 MB of
+the 538 (21%). With the screen copy (28 MB) the head of a one-row step took 2.1-2.5 ms instead of 7.0-8.1 on the
+Zen 3 EPYC (one thread); served, a one-row decode step 41.4 -> 34.3 ms and a verify step of ~3.5 tokens 50.2 ->
+44.4 (p50s of step traces). Its estimate costs the full head's FMAs, so from ~8 rows it is no faster: steps of more
+than `max_rows()` rows take the full head.
+
+What a step gets: each row of its logits -inf but at the row's first maximum, which holds the logit the full head
+computes (the same bits: greedy_head.c says why), so its argmax, and every draft's, is the full head's. The engine
+asks for this only when nothing else reads the step's logits (every sampling row greedy, without logprobs or
+penalties: server/engine/model.py); otherwise, and with the switch off, the kernel computes the full logits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from models import native_library
+
+
+def available() -> bool:
+    """The kernels are on and this build has the greedy head (AVX2 and FMA) and the fp32 tile copy it reads."""
+    return native_library.available() and native_library.has("greedy_head") and native_library.has("f32")
+
+
+def max_rows() -> int:
+    """The most rows a step's head screens (greedy_head.c's SCREEN_MAX_ROWS); call after available()."""
+    return int(native_library.lib().bucketserve_greedy_head_max_rows())
+
+
+def screen_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] fp32 -> its screen copy: [N/32, K, 32] int8 (the fp32 tile copy's layout, f32_tile_pack), one
+    scale a vocabulary row (max |w_v| / 127, q = round(w / scale): |w - q scale| <= scale / 2), followed by the N
+    fp32 scales and the address of `weight` itself (where the kernel reads its candidates' rows: it must outlive
+    the copy, as a packed weight's copies do), as one int8 tensor of N * K + 4 N + 8 bytes. None where the kernel
+    does not run here, `weight` is not contiguous, N is not a multiple of 32 or a weight is not finite (the bounds
+    need finite weights)."""
+    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[0] % 32 or not weight.is_contiguous()
+            or not available()):
+        return None
+    w = weight.detach()
+    if not bool(torch.isfinite(w).all()):
+        return None
+    n, k = w.shape
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    tiles = q.view(n // 32, 32, k).transpose(1, 2).contiguous().view(-1)
+    address = torch.tensor([w.data_ptr()], dtype=torch.int64).view(torch.int8)
+    return torch.cat([tiles, scale.contiguous().view(torch.int8), address])
+
+
+def _switch() -> ctypes.c_int:
+    return ctypes.c_int.in_dll(native_library.lib(), "bucketserve_head_argmax")
+
+
+@contextmanager
+def maxima_only(on: bool = True) -> Iterator[None]:
+    """Within: the greedy head gives each row's maximum alone (the engine thread's step; `on` False: no change)."""
+    if not on or not available():
+        yield
+        return
+    switch = _switch()
+    switch.value = 1
+    try:
+        yield
+    finally:
+        switch.value = 0
