@@ -19,10 +19,17 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+from torch import nn
 
 from models import native_library
+
+# Model types whose logits are their head's output as it is: no bias, soft-capping or scaling after it (Gemma 2's
+# final_logit_softcapping, Granite's logits_scaling, Cohere's logit_scale), which can round two different logits to
+# the same value and so move the first maximum away from the one the head found.
+PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
 
 
 def available() -> bool:
@@ -54,6 +61,17 @@ def screen_pack(weight: torch.Tensor) -> torch.Tensor | None:
     tiles = q.view(n // 32, 32, k).transpose(1, 2).contiguous().view(-1)
     address = torch.tensor([w.data_ptr()], dtype=torch.int64).view(torch.int8)
     return torch.cat([tiles, scale.contiguous().view(torch.int8), address])
+
+
+def head_of(model: nn.Module) -> nn.Linear | None:
+    """The lm_head the greedy head may serve: the output embedding of a model of PLAIN_HEAD_TYPES, an nn.Linear
+    without bias (None otherwise)."""
+    config: Any = getattr(model, "config", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_TYPES or not callable(get_head):
+        return None
+    head = get_head()
+    return head if isinstance(head, nn.Linear) and head.bias is None else None
 
 
 def _switch() -> ctypes.c_int:

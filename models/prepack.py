@@ -264,8 +264,7 @@ def prepack(model: nn.Module, quantize: str = "none", tiles: bool = True) -> int
                          "matmul converts the int8 weights for bf16 products")
     weights: set[int] = set()
     made: list[int] = []  # weights packed by this call
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = greedy_head.head_of(model)
     for module in model.modules():
         if type(module) is nn.Linear and supported(module.weight.dtype, module.weight.device):
             weight = module.weight.detach()

@@ -126,7 +126,8 @@ std::vector<int64_t> with_last(const at::Tensor &x, int64_t n) {
 // batch 8 (AMD EPYC, one thread). Only for the kernels whose rows are summed apart from each other, in an order
 // that does not depend on how many rows a call has (tiled_matmul.c: kinds 4 bf16, 5 fp32, 6 int8; amx_matmul.c:
 // kinds 1 bf16, 2 int8, whose tile products sum each element over k in the same order whatever the rows beside
-// it; greedy_head.c: kind 7, each row's maximum found from that row alone), so every other row's output is the same
+// it; greedy_head.c: kind 7, each row's maximum found from that row alone, though whether its row comes back
+// masked or whole depends on how many rows are live), so every other row's output (kind 7: its maximum) is the same
 // bits with or without the zero rows. The others (the one-row
 // kernels, oneDNN) run every row as before. On AMX CPUs the zero rows are mostly the padding tokens of mixed and
 // verify steps and a verify graph's padding logit rows: a 128-token bucket of 100 tokens computes 100 rows.

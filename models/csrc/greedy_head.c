@@ -181,8 +181,9 @@ int bucketserve_greedy_head_f32(const float *x, const float *tiles, const int8_t
         float s = 0.0f;
         for (int64_t k = 0; k < K; k++) s += fabsf(x[m * K + k]);
         reach[m] = c * s;
-        /* below 1e-30 the sums may underflow, where the rounding bounds above do not hold */
-        kind[m] = s == 0.0f ? 1 : !isfinite(reach[m]) || s < 1e-30f ? 2 : 0;
+        /* below 1e-30 the sums may underflow and past 1e36 an estimate overflow, where the bounds above do not
+         * hold */
+        kind[m] = s == 0.0f ? 1 : !(s >= 1e-30f && s <= 1e36f) ? 2 : 0;
     }
     const int64_t groups = N / 32;
     float *part = malloc((size_t)threads * M * 32 * sizeof(float));
@@ -205,10 +206,12 @@ int bucketserve_greedy_head_f32(const float *x, const float *tiles, const int8_t
         if (kind[m] == 1) { /* every reference logit of a zero row is +0 (FMAs from +0): the first is the maximum */
             for (int64_t v = 0; v < N; v++) row[v] = -INFINITY;
             row[0] = 0.0f;
-        } else if (kind[m] == 2 || settle_row(x + m * K, plain, row, low, N, K) != 0) {
-            bucketserve_tiled_matmul_f32(x + m * K, tiles, row, 1, N, K, 1);
+        } else if (kind[m] == 0 && settle_row(x + m * K, plain, row, low, N, K) != 0) {
+            kind[m] = 2;
         }
     }
     free(lows);
+    for (int64_t m = 0; m < M; m++) /* the rows left to the full head, with every thread */
+        if (kind[m] == 2) bucketserve_tiled_matmul_f32(x + m * K, tiles, y + m * N, 1, N, K, threads);
     return 0;
 }

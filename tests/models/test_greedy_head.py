@@ -4,6 +4,8 @@ head's; with it off, or past max_rows() rows, the full logits."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -15,11 +17,12 @@ needs_kernel = pytest.mark.skipif(not greedy_head.available(), reason="needs the
 
 
 class Head(nn.Module):
-    """A model of one lm_head, as prepack finds it (get_output_embeddings)."""
+    """A model of one lm_head, as prepack finds it (get_output_embeddings, config.model_type)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, model_type: str = "llama", bias: bool = False) -> None:
         super().__init__()
-        self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.config = SimpleNamespace(model_type=model_type)
+        self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
         with torch.no_grad():
             self.lm_head.weight.copy_(weight)
 
@@ -147,6 +150,44 @@ def test_zero_and_non_finite_rows() -> None:
     assert_first_maxima(got[1:2], want[1:2])
     assert torch.equal(got[2].isnan(), want[2].isnan())
     assert torch.equal(got[2].nan_to_num(), want[2].nan_to_num())
+
+
+@needs_kernel
+@pytest.mark.parametrize(("model_type", "bias"), [("gemma2", False), ("granite", False), ("llama", True)])
+def test_heads_whose_logits_change_after_them_are_not_screened(model_type: str, bias: bool) -> None:
+    """A bias, soft-capping or scaling after the head can move the first maximum: those heads keep the full one."""
+    model = Head(torch.randn(64, 32), model_type, bias)
+    prepack(model)
+    entry = _PACKED[model.lm_head.weight.data_ptr()]
+    assert entry.screen is None and entry.few is not None and entry.few[0] == native_matmul.TILED_F32
+
+
+@needs_kernel
+def test_a_row_with_too_many_candidates_gets_the_full_logits() -> None:
+    """Every vocabulary row the same: every logit ties, past the candidates worth recomputing one by one."""
+    w = torch.randn(1, 48).expand(2048, 48).contiguous()
+    head = packed_head(w)
+    x = torch.randn(2, 48)
+    got, want = maxima(head, x), full(head, x)
+    assert torch.equal(got, want) and int(torch.argmax(got[0])) == 0
+
+
+@needs_kernel
+def test_two_threads_give_the_same_maxima() -> None:
+    torch.manual_seed(6)
+    head = packed_head(torch.randn(4096, 64) * 0.05)
+    x = torch.randn(5, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = maxima(head, x)
+        x[2] = torch.randn(64)  # a new row, and the others again: the per-thread lower bounds start afresh
+        again = maxima(head, x)
+    finally:
+        torch.set_num_threads(before)
+    want = full(head, x)
+    assert_first_maxima(again, want)
+    assert torch.equal(got[[0, 1, 3, 4]], again[[0, 1, 3, 4]])
 
 
 def test_the_switch_is_off_outside_the_context() -> None:
