@@ -17,6 +17,7 @@ penalties: server/engine/model.py); otherwise, and with the switch off, the kern
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +31,7 @@ from models import native_library
 # final_logit_softcapping, Granite's logits_scaling, Cohere's logit_scale), which can round two different logits to
 # the same value and so move the first maximum away from the one the head found.
 PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
+_PACK_ROWS = 4096  # vocabulary rows quantized at a time (a multiple of 32)
 
 
 def available() -> bool:
@@ -56,11 +58,16 @@ def screen_pack(weight: torch.Tensor) -> torch.Tensor | None:
     if not bool(torch.isfinite(w).all()):
         return None
     n, k = w.shape
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    tiles = q.view(n // 32, 32, k).transpose(1, 2).contiguous().view(-1)
-    address = torch.tensor([w.data_ptr()], dtype=torch.int64).view(torch.int8)
-    return torch.cat([tiles, scale.contiguous().view(torch.int8), address])
+    out = torch.empty(n * k + 4 * n + 8, dtype=torch.int8)
+    tiles, scales = out[: n * k].view(n // 32, k, 32), out[n * k : n * k + 4 * n].view(torch.float32)
+    for start in range(0, n, _PACK_ROWS):  # in blocks: a whole-weight fp32 temporary per step was ~4x the copy
+        block = w[start : start + _PACK_ROWS]
+        scale = (block.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(block / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        tiles[start // 32 : (start + block.shape[0]) // 32] = q.view(-1, 32, k).transpose(1, 2)
+        scales[start : start + block.shape[0]] = scale
+    out[n * k + 4 * n :] = torch.tensor([w.data_ptr()], dtype=torch.int64).view(torch.int8)
+    return out
 
 
 def head_of(model: nn.Module) -> nn.Linear | None:
@@ -74,7 +81,9 @@ def head_of(model: nn.Module) -> nn.Linear | None:
     return head if isinstance(head, nn.Linear) and head.bias is None else None
 
 
+@functools.cache
 def _switch() -> ctypes.c_int:
+    """The kernel's switch (looked up once: the engine enters maxima_only every step)."""
     return ctypes.c_int.in_dll(native_library.lib(), "bucketserve_head_argmax")
 
 

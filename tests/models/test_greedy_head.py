@@ -77,6 +77,15 @@ def test_screen_copy_holds_the_weight_to_half_a_step() -> None:
 
 
 @needs_kernel
+def test_the_screen_copy_packed_in_blocks_is_the_whole_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(7)
+    w = torch.randn(160, 24)
+    whole = greedy_head.screen_pack(w)
+    monkeypatch.setattr(greedy_head, "_PACK_ROWS", 64)  # blocks of 64, 64 and 32 rows
+    assert whole is not None and torch.equal(greedy_head.screen_pack(w), whole)
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6])
 def test_each_row_gets_the_full_heads_first_maximum(rows: int) -> None:
     assert rows <= greedy_head.max_rows()
