@@ -33,7 +33,7 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_attention.c", _CSRC / "decode_avx2.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
            _CSRC / "piece_attention.c", _CSRC / "linear.c", _CSRC / "rms_norm.c",
            _CSRC / "tiled_matmul.c", _CSRC / "run_attention.c", _CSRC / "run_vec.c", _CSRC / "argmax.c",
-           _CSRC / "layer_math.c", _CSRC / "piece_avx2.c", _CSRC / "greedy_head.c")
+           _CSRC / "layer_math.c", _CSRC / "piece_avx2.c", _CSRC / "greedy_head.c", _CSRC / "exact4.c")
 HEADERS = (_CSRC / "vec16.h", _CSRC / "vec8.h", _CSRC / "vexp.h", _CSRC / "piece_products.h",
            _CSRC / "attention_common.h", _CSRC / "amx_tiles.h")
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
@@ -128,7 +128,7 @@ def _load() -> None:
     """Build (once per machine and source) and load the kernels into _state; on any failure (no compiler, a
     read-only cache, a failed build) record None, log it once, and let the callers use SDPA and oneDNN."""
     _state.update(lib=None, parallel=False, matmul=False, amx=False, f32=False, f32_rows=0, f32_mkl_rows=0, piece_f32=False,
-                  shortest_run=0, shortest_run_f32=0, greedy_head=False)
+                  shortest_run=0, shortest_run_f32=0, greedy_head=False, exact4=False)
     try:
         cc = _compiler()
         if cc is None:
@@ -184,7 +184,8 @@ def _load() -> None:
                   decode_bf16=bool(lib.bucketserve_decode_fast(0)), decode_f32=bool(lib.bucketserve_decode_fast(1)),
                   shortest_run=2 if amx else 3 if lib.bucketserve_run_vec_supported() else 0,
                   shortest_run_f32=2 if lib.bucketserve_run_f32x8_supported() else 0,
-                  greedy_head=bool(lib.bucketserve_greedy_head_supported()))
+                  greedy_head=bool(lib.bucketserve_greedy_head_supported()),
+                  exact4=bool(lib.bucketserve_exact4_supported()))
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
              _state["matmul"], _state["amx"])
 
