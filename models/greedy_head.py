@@ -44,13 +44,16 @@ def max_rows() -> int:
     return int(native_library.lib().bucketserve_greedy_head_max_rows())
 
 
-def screen_pack(weight: torch.Tensor) -> torch.Tensor | None:
+def screen_pack(weight: torch.Tensor, exact: tuple[int, torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | None:
     """weight [N, K] fp32 -> its screen copy: [N/32, K, 32] int8 (the fp32 tile copy's layout, f32_tile_pack), one
     scale a vocabulary row (max |w_v| / 127, q = round(w / scale): |w - q scale| <= scale / 2), followed by the N
-    fp32 scales and the address of `weight` itself (where the kernel reads its candidates' rows: it must outlive
-    the copy, as a packed weight's copies do), as one int8 tensor of N * K + 4 N + 8 bytes. None where the kernel
-    does not run here, `weight` is not contiguous, N is not a multiple of 32 or a weight is not finite (the bounds
-    need finite weights)."""
+    fp32 scales, the address of `weight` itself (where the kernel reads its candidates' rows: it must outlive
+    the copy, as a packed weight's copies do) and `exact`, the weight's exact copy (models/exact_codes.py: its
+    kernel kind, codes and scales; the full logits read it, and it too must outlive the screen copy) as three
+    int64 (0, 0, 0 for none), as one int8 tensor of N * K + 4 N + 32 bytes. None where the kernel does not run here,
+    `weight` is not contiguous, N is not a multiple of 32 or a weight is not finite (the bounds need finite
+    weights)."""
     if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[0] % 32 or not weight.is_contiguous()
             or not available()):
         return None
@@ -58,7 +61,7 @@ def screen_pack(weight: torch.Tensor) -> torch.Tensor | None:
     if not bool(torch.isfinite(w).all()):
         return None
     n, k = w.shape
-    out = torch.empty(n * k + 4 * n + 8, dtype=torch.int8)
+    out = torch.empty(n * k + 4 * n + 32, dtype=torch.int8)
     tiles, scales = out[: n * k].view(n // 32, k, 32), out[n * k : n * k + 4 * n].view(torch.float32)
     for start in range(0, n, _PACK_ROWS):  # in blocks: a whole-weight fp32 temporary per step was ~4x the copy
         block = w[start : start + _PACK_ROWS]
@@ -66,7 +69,8 @@ def screen_pack(weight: torch.Tensor) -> torch.Tensor | None:
         q = torch.round(block / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         tiles[start // 32 : (start + block.shape[0]) // 32] = q.view(-1, 32, k).transpose(1, 2)
         scales[start : start + block.shape[0]] = scale
-    out[n * k + 4 * n :] = torch.tensor([w.data_ptr()], dtype=torch.int64).view(torch.int8)
+    trailer = [w.data_ptr(), *((exact[0], exact[1].data_ptr(), exact[2].data_ptr()) if exact else (0, 0, 0))]
+    out[n * k + 4 * n :] = torch.tensor(trailer, dtype=torch.int64).view(torch.int8)
     return out
 
 

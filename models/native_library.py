@@ -33,7 +33,7 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_attention.c", _CSRC / "decode_avx2.c", _CSRC / "small_matmul.c", _CSRC / "amx_matmul.c",
            _CSRC / "piece_attention.c", _CSRC / "linear.c", _CSRC / "rms_norm.c",
            _CSRC / "tiled_matmul.c", _CSRC / "run_attention.c", _CSRC / "run_vec.c", _CSRC / "argmax.c",
-           _CSRC / "layer_math.c", _CSRC / "piece_avx2.c", _CSRC / "greedy_head.c", _CSRC / "exact4.c")
+           _CSRC / "layer_math.c", _CSRC / "piece_avx2.c", _CSRC / "greedy_head.c", _CSRC / "exact_codes.c")
 HEADERS = (_CSRC / "vec16.h", _CSRC / "vec8.h", _CSRC / "vexp.h", _CSRC / "piece_products.h",
            _CSRC / "attention_common.h", _CSRC / "amx_tiles.h")
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
@@ -128,7 +128,7 @@ def _load() -> None:
     """Build (once per machine and source) and load the kernels into _state; on any failure (no compiler, a
     read-only cache, a failed build) record None, log it once, and let the callers use SDPA and oneDNN."""
     _state.update(lib=None, parallel=False, matmul=False, amx=False, f32=False, f32_rows=0, f32_mkl_rows=0, piece_f32=False,
-                  shortest_run=0, shortest_run_f32=0, greedy_head=False, exact4=False)
+                  shortest_run=0, shortest_run_f32=0, greedy_head=False, exact_codes=False)
     try:
         cc = _compiler()
         if cc is None:
@@ -185,7 +185,7 @@ def _load() -> None:
                   shortest_run=2 if amx else 3 if lib.bucketserve_run_vec_supported() else 0,
                   shortest_run_f32=2 if lib.bucketserve_run_f32x8_supported() else 0,
                   greedy_head=bool(lib.bucketserve_greedy_head_supported()),
-                  exact4=bool(lib.bucketserve_exact4_supported()))
+                  exact_codes=bool(lib.bucketserve_exact_codes_supported()))
     log.info("native kernels loaded from %s (OpenMP: %s, small matmul: %s, AMX: %s)", path, _state["parallel"],
              _state["matmul"], _state["amx"])
 
@@ -230,7 +230,8 @@ def has(feature: str) -> bool:
     """The loaded library has `feature` ("matmul": the small matmul, "amx": the AMX matmul usable here, "f32": the
     fp32 vector matmul, "piece_f32": a fp32 prompt-piece attention kernel (AVX-512's, or AVX2's piece_avx2.c),
     "decode_bf16" / "decode_f32": a decode attention kernel for that element type that beats
-    SDPA here, "greedy_head": the fp32 lm_head of greedy steps, greedy_head.c); call after available() returned
+    SDPA here, "greedy_head": the fp32 lm_head of greedy steps, greedy_head.c; "exact_codes": fp32 matmuls on exact
+    4- or 8-bit copies, exact_codes.c); call after available() returned
     True."""
     return bool(_state[feature])
 

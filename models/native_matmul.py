@@ -51,10 +51,12 @@ TILED_MAX_ROWS = 1 << 16
 # the plain weight; 1: the AMX matmul on the tile copy (tile_pack); 2: the int8 tile copy and its scales (int8_pack);
 # 3: the float32 one-row matmul on the plain fp32 weight; 4: the vector matmul on the tile copy (no AMX); 5: the fp32
 # vector matmul on the fp32 tile copy (f32_tile_pack); 6: the vector matmul on the int8 tile copy and its scales (no AMX);
-# 7: the fp32 lm_head of greedy steps on the fp32 tile copy and its screen copy (models/greedy_head.py); 8: the fp32
-# vector matmul on the exact 4-bit copy of a weight that has one, its codes and their (d, m) pairs (models/exact4.py)
+# 7: the fp32 lm_head of greedy steps on the fp32 tile copy and its screen copy (models/greedy_head.py); 8 and 9: the
+# fp32 vector matmul on the exact 4-bit or 8-bit copy of a weight that has one, its codes and their scales
+# (models/exact_codes.py)
 Kernel = tuple[int, int, int]
-SMALL, AMX, AMX_INT8, ONE_ROW_F32, TILED, TILED_F32, TILED_INT8, GREEDY_HEAD_F32, EXACT4_F32 = 0, 1, 2, 3, 4, 5, 6, 7, 8
+SMALL, AMX, AMX_INT8, ONE_ROW_F32, TILED, TILED_F32, TILED_INT8, GREEDY_HEAD_F32 = 0, 1, 2, 3, 4, 5, 6, 7
+EXACT4_F32, EXACT8_F32 = 8, 9
 
 
 def small_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -48,8 +48,8 @@ Memory: the packed copy is a second copy of every linear weight (270 MB for Smol
 in fp32 on AVX2 builds, whose steps never read it: `onednn_unread`), the
 tile copy a third (and the lm_head's: 57 MB more in bf16 for SmolLM2's tied embeddings, 113 in fp32); the int8
 copy, where it replaces the AMX one, half of the bf16 one; a fp32 lm_head's screen copy (models/greedy_head.py) a
-quarter of its weight (28 MB for SmolLM2); an exact 4-bit copy (models/exact4.py), where it replaces the fp32 tile
-copy, 0.19 of the weight (80 MB for SmolLM2's layers against 425). The runner asks for the copies only where memory holds
+quarter of its weight (28 MB for SmolLM2); an exact 4- or 8-bit copy (models/exact_codes.py), where it replaces the
+fp32 tile copy, 0.19 or 0.28 of the weight (80 MB for SmolLM2's layers against 425, 32 MB for its head against 113). The runner asks for the copies only where memory holds
 them (models/module_swaps.py): where it is short the tile copy is left out first, then oneDNN's.
 """
 
@@ -63,13 +63,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import exact4, greedy_head, huge_pages, native, native_dispatch
+from models import exact_codes, greedy_head, huge_pages, native, native_dispatch
 from models.compile import QUANTIZE_MODES
 from models.hardware import MEMORY_RESERVE, available_memory
 from models.native_matmul import (
     AMX,
     AMX_MAX_ROWS,
     EXACT4_F32,
+    EXACT8_F32,
     GREEDY_HEAD_F32,
     ONE_ROW_F32,
     SMALL,
@@ -103,8 +104,9 @@ class Packed(NamedTuple):
     # a fp32 lm_head's int8 screen copy (models/greedy_head.py) and the plain weight whose address it holds (kept
     # alive with it), or None
     screen: tuple[torch.Tensor, torch.Tensor] | None = None
-    # a fp32 weight's exact 4-bit copy (models/exact4.py: codes, pairs), read in place of the fp32 tile copy, or None
-    exact4: tuple[torch.Tensor, torch.Tensor] | None = None
+    # a fp32 weight's exact 4- or 8-bit copy (models/exact_codes.py: codes, scales), read in place of the fp32 tile
+    # copy, or None
+    exact: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def kernel(self, rows: int) -> Kernel | None:
         """The native kernel for a step of `rows` rows, or None: oneDNN (chosen once, at packing)."""
@@ -122,15 +124,23 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too
     Without `tiles_too` (memory is short) no tile copy: the kernels that read the plain weight, else oneDNN.
     `head`: the model's lm_head; in float32, where its steps read the fp32 tile copy, they read it through the greedy
     head (models/greedy_head.py), which computes the full logits unless a step asks for its maxima alone.
-    A fp32 weight whose values are exactly 4-bit codes with a (d, m) pair per block (models/exact4.py: a quantized
-    checkpoint stored in fp32, as the default model's layers are) gets that copy in place of the fp32 tile copy, for
-    the same step sizes and the same bits."""
+    A fp32 weight whose values are exactly small integer codes times a scale per block (models/exact_codes.py: a
+    quantized checkpoint stored in fp32, as the default model is) gets that copy in place of the fp32 tile copy, for
+    the same step sizes and the same bits (the head's full logits too)."""
     if weight.dtype == torch.float32:
-        codes = exact4.pack(weight) if tiles_too and not head and tiled_f32_rows() > 0 else None
-        if codes is not None:
-            exact: Kernel = (EXACT4_F32, codes[0].data_ptr(), codes[1].data_ptr())
-            return Packed(weight.shape, weight.dtype, onednn, None, None, exact, exact, tiled_f32_rows(),
-                          exact4=codes)
+        exact = _exact_copy(weight) if tiles_too and tiled_f32_rows() > 0 else None
+        if exact is not None:
+            kind, codes = exact
+            screen = greedy_head.screen_pack(weight, (kind, *codes)) if head else None
+            if screen is not None:  # the tiles too: the full logits of many rows read them (greedy_head.c)
+                tiles32 = f32_tile_pack(weight)
+                head_kernel: Kernel = (GREEDY_HEAD_F32, tiles32.data_ptr() if tiles32 is not None else 0,
+                                       screen.data_ptr())
+                return Packed(weight.shape, weight.dtype, onednn, tiles32, None, head_kernel, head_kernel,
+                              tiled_f32_rows(), (screen, weight), codes)
+            chosen: Kernel = (kind, codes[0].data_ptr(), codes[1].data_ptr())
+            return Packed(weight.shape, weight.dtype, onednn, None, None, chosen, chosen, tiled_f32_rows(),
+                          exact=codes)
         f32_tiles = f32_tile_pack(weight) if tiles_too else None
         one: Kernel | None = (ONE_ROW_F32, weight.data_ptr(), 0) if one_row_f32_takes(weight) else None
         if f32_tiles is not None:
@@ -159,6 +169,16 @@ def _packed(weight: torch.Tensor, onednn: torch.Tensor, quantize: str, tiles_too
         vector: Kernel = (TILED, tiles.data_ptr(), 0)
         return Packed(weight.shape, weight.dtype, onednn, tiles, None, vector, vector, TILED_MAX_ROWS)
     return Packed(weight.shape, weight.dtype, onednn, None, None, small, small, SMALL_MATMUL_STEP_ROWS)
+
+
+def _exact_copy(weight: torch.Tensor) -> tuple[int, tuple[torch.Tensor, torch.Tensor]] | None:
+    """The exact 4-bit copy of a fp32 weight, else its exact 8-bit copy, with the kernel kind that reads it; None
+    where it has neither (the check stops at the first block that does not rebuild)."""
+    four = exact_codes.pack4(weight)
+    if four is not None:
+        return EXACT4_F32, four
+    eight = exact_codes.pack8(weight)
+    return (EXACT8_F32, eight) if eight is not None else None
 
 
 # weight's address -> its packed copies

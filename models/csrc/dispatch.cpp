@@ -131,7 +131,7 @@ std::vector<int64_t> with_last(const at::Tensor &x, int64_t n) {
 // bits with or without the zero rows. The others (the one-row
 // kernels, oneDNN) run every row as before. On AMX CPUs the zero rows are mostly the padding tokens of mixed and
 // verify steps and a verify graph's padding logit rows: a 128-token bucket of 100 tokens computes 100 rows.
-bool rows_apart(int64_t kind) { return kind == 1 || kind == 2 || (kind >= 4 && kind <= 8); }
+bool rows_apart(int64_t kind) { return kind == 1 || kind == 2 || (kind >= 4 && kind <= 9); }
 
 // Whether row r of x [rows, k] (bf16 or fp32, contiguous, at `data`) holds only zeros of either sign: a 64-byte line at a
 // time (eight words ORed with their sign bits masked, then one test), so a live row is told apart in its first

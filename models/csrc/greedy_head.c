@@ -20,9 +20,12 @@
  * step's, are the full head's. A row whose ||x||_1 is not finite, or with more than FULL_AT candidates, takes the
  * full head.
  *
- * Shapes: x [M, K] fp32 contiguous; tiles [N/32, K, 32] fp32 (tiled_matmul.c's copy); screen: the int8 copy in the
- * same layout ([N/32, K, 32] bytes), then the N fp32 scales, then the address of the plain weight [N, K] (8 bytes:
- * the candidates' rows are read there); y [M, N] fp32. */
+ * Shapes: x [M, K] fp32 contiguous; tiles [N/32, K, 32] fp32 (tiled_matmul.c's copy), or NULL where the weight has
+ * an exact copy; screen: the int8 copy in the same layout ([N/32, K, 32] bytes), then the N fp32 scales, then the
+ * address of the plain weight [N, K] (8 bytes: the candidates' rows are read there), then the weight's exact copy
+ * (exact_codes.c) as three int64: its kind (linear.c's 8 or 9; 0: none), its codes' and its scales' addresses. The
+ * full logits of up to EXACT_MAX_ROWS rows come from the exact copy where there is one (the same bits, a quarter of
+ * the bytes), else from the tiles; y [M, N] fp32. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +33,10 @@
 
 int bucketserve_tiled_matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                                  int threads);
+int bucketserve_exact4_matmul_f32(const float *x, const uint8_t *codes, const float *pairs, float *y, int64_t M,
+                                  int64_t N, int64_t K, int threads);
+int bucketserve_exact8_matmul_f32(const float *x, const int8_t *codes, const float *scales, float *y, int64_t M,
+                                  int64_t N, int64_t K, int threads);
 
 /* 1 while the running step wants only each row's maximum from the head (models/greedy_head.py sets it around the
  * step's graph; the engine thread alone runs steps). 0: the full head. */
@@ -162,13 +169,35 @@ static void estimate(const float *x, const int8_t *screen, const float *scale, c
     }
 }
 
+/* Past this many rows the full logits read the fp32 tiles rather than the exact copy: there the FMAs bound the head,
+ * and rebuilding the weights from the codes adds to them (SmolLM2's Q8_0 head on the Zen 3 EPYC, one thread, tiles
+ * / 8-bit codes, ms: 1 row 7.5 / 2.9, 4 rows 9.0 / 6.0, 8 rows 12.5 / 8.9, 10 rows 12.5 / 10.4, 16 rows 13.8 / 14.0,
+ * 24 rows 18.0 / 19.5). */
+#define EXACT_MAX_ROWS 16
+
+/* The full logits y [M, N] of x [M, K]: from the weight's exact copy where the screen copy names one (and M is at
+ * most EXACT_MAX_ROWS, or there are no tiles), else from its fp32 tiles. */
+static int full(const float *x, const float *tiles, const int8_t *screen, float *y, int64_t M, int64_t N, int64_t K,
+                int threads) {
+    int64_t exact[3]; /* kind, codes, scales */
+    memcpy(exact, screen + N * K + 4 * N + 8, sizeof exact);
+    if (M > EXACT_MAX_ROWS && tiles) exact[0] = 0;
+    if (exact[0] == 8)
+        return bucketserve_exact4_matmul_f32(x, (const uint8_t *)(intptr_t)exact[1], (const float *)(intptr_t)exact[2],
+                                             y, M, N, K, threads);
+    if (exact[0] == 9)
+        return bucketserve_exact8_matmul_f32(x, (const int8_t *)(intptr_t)exact[1], (const float *)(intptr_t)exact[2],
+                                             y, M, N, K, threads);
+    return tiles ? bucketserve_tiled_matmul_f32(x, tiles, y, M, N, K, threads) : -1;
+}
+
 /* y [M, N]: each row's first maximum (and -inf elsewhere) when bucketserve_head_argmax is set and M is at most
- * SCREEN_MAX_ROWS, else the full logits (the tiled kernel). Returns 0, or -1 when the shapes do not fit. */
+ * SCREEN_MAX_ROWS, else the full logits (full()). Returns 0, or -1 when the shapes do not fit. */
 int bucketserve_greedy_head_f32(const float *x, const float *tiles, const int8_t *screen, float *y, int64_t M,
                                 int64_t N, int64_t K, int threads) {
     if (M < 1 || K < 1 || N < 32 || N % 32) return -1;
     if (!bucketserve_head_argmax || M > SCREEN_MAX_ROWS || !bucketserve_greedy_head_supported() || threads < 1)
-        return bucketserve_tiled_matmul_f32(x, tiles, y, M, N, K, threads);
+        return full(x, tiles, screen, y, M, N, K, threads);
     const float *scale = (const float *)(screen + N * K);
     const float *plain; /* the plain weight [N, K], whose address the screen copy ends with */
     memcpy(&plain, screen + N * K + 4 * N, sizeof plain);
@@ -190,7 +219,7 @@ int bucketserve_greedy_head_f32(const float *x, const float *tiles, const int8_t
     float *lows = malloc((size_t)threads * M * sizeof(float));
     if (part == NULL || lows == NULL) {
         free(part), free(lows);
-        return bucketserve_tiled_matmul_f32(x, tiles, y, M, N, K, threads);
+        return full(x, tiles, screen, y, M, N, K, threads);
     }
     for (int64_t i = 0; i < threads * M; i++) lows[i] = -INFINITY;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -212,6 +241,6 @@ int bucketserve_greedy_head_f32(const float *x, const float *tiles, const int8_t
     }
     free(lows);
     for (int64_t m = 0; m < M; m++) /* the rows left to the full head, with every thread */
-        if (kind[m] == 2) bucketserve_tiled_matmul_f32(x + m * K, tiles, y + m * N, 1, N, K, threads);
+        if (kind[m] == 2) full(x + m * K, tiles, screen, y + m * N, 1, N, K, threads);
     return 0;
 }

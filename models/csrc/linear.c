@@ -8,8 +8,8 @@
  * fp32; the others read and write bf16); 4 the AVX512-BF16 vector matmul on the tile copy (CPUs without AMX); 5 the
  * float32 vector matmul on the fp32 tile copy (x and y fp32); 6 the vector matmul on the int8 tile copy with
  * per-column scales `s` (CPUs without AMX); 7 the float32 lm_head of greedy steps (greedy_head.c) on the fp32 tile copy,
- * `s` its int8 screen copy (x and y fp32); 8 the float32 vector matmul on the exact 4-bit copy of a weight whose fp32
- * values it holds exactly (exact4.c: `w` the codes, `s` their (d, m) pairs; x and y fp32). */
+ * `s` its int8 screen copy (x and y fp32); 8 and 9 the float32 vector matmul on the exact 4-bit or 8-bit copy of a
+ * weight whose fp32 values it holds exactly (exact_codes.c: `w` the codes, `s` their scales; x and y fp32). */
 #include "vec16.h"
 
 int bucketserve_small_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
@@ -30,6 +30,8 @@ int bucketserve_greedy_head_f32(const float *x, const float *tiles, const int8_t
                                 int64_t N, int64_t K, int threads);
 int bucketserve_exact4_matmul_f32(const float *x, const uint8_t *codes, const float *pairs, float *y, int64_t M,
                                   int64_t N, int64_t K, int threads);
+int bucketserve_exact8_matmul_f32(const float *x, const int8_t *codes, const float *scales, float *y, int64_t M,
+                                  int64_t N, int64_t K, int threads);
 
 /* y [M, N] = x [M, K] @ w.T. Returns 0, or -1 when the kernel does not take the shapes (the caller uses oneDNN). */
 int bucketserve_linear(const void *x, const void *w, const float *s, void *y, int64_t M, int64_t N, int64_t K,
@@ -44,6 +46,7 @@ int bucketserve_linear(const void *x, const void *w, const float *s, void *y, in
     case 6: return bucketserve_tiled_matmul_q8(x, (const int8_t *)w, s, y, M, N, K, threads);
     case 7: return bucketserve_greedy_head_f32(x, (const float *)w, (const int8_t *)s, y, M, N, K, threads);
     case 8: return bucketserve_exact4_matmul_f32(x, (const uint8_t *)w, s, y, M, N, K, threads);
+    case 9: return bucketserve_exact8_matmul_f32(x, (const int8_t *)w, s, y, M, N, K, threads);
     default: return -1;
     }
 }
@@ -111,7 +114,7 @@ static void silu_times(uint16_t *y, const uint16_t *gate, int64_t n) {
 int bucketserve_gated_bf16(const uint16_t *x, const void *wg, const float *sg, const void *wu, const float *su,
                            uint16_t *y, uint16_t *gate, int64_t M, int64_t N, int64_t K, int kind, int threads) {
     if ((M * N) % 16) return -1;
-    if (kind == 3 || kind == 5 || kind == 7 || kind == 8 || bucketserve_linear(x, wg, sg, gate, M, N, K, kind, threads) != 0) return -1;
+    if (kind == 3 || kind == 5 || kind >= 7 || bucketserve_linear(x, wg, sg, gate, M, N, K, kind, threads) != 0) return -1;
     if (bucketserve_linear(x, wu, su, y, M, N, K, kind, threads) != 0) return -1;
     silu_times(y, gate, M * N);
     return 0;
