@@ -49,7 +49,8 @@ in fp32 on AVX2 builds, whose steps never read it: `onednn_unread`), the
 tile copy a third (and the lm_head's: 57 MB more in bf16 for SmolLM2's tied embeddings, 113 in fp32); the int8
 copy, where it replaces the AMX one, half of the bf16 one; a fp32 lm_head's screen copy (models/greedy_head.py) a
 quarter of its weight (28 MB for SmolLM2); an exact 4- or 8-bit copy (models/exact_codes.py), where it replaces the
-fp32 tile copy, 0.19 or 0.28 of the weight (80 MB for SmolLM2's layers against 425, 32 MB for its head against 113). The runner asks for the copies only where memory holds
+fp32 tile copy, 0.19 or 0.28 of the weight (80 MB for SmolLM2's layers against 425; its head's, 32 MB, beside the
+tile copy, which steps of 17+ rows read). The runner asks for the copies only where memory holds
 them (models/module_swaps.py): where it is short the tile copy is left out first, then oneDNN's.
 """
 
